@@ -1,0 +1,72 @@
+"""Defaults shared by every config: each config file starts from `base.get_config()`.
+
+Names follow the field where one exists: `mtp_loss_scaling_factor` and `mtp_num_heads` as in
+MaxText, the per-head decay `mtp_head_weight_decay` (w_k = decay**k for k = 1..K) as in Medusa
+(0.8), `medusa_num_layers` for the number of ResBlocks per Medusa head.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # Loop.
+  c.num_train_steps = 1000
+  c.log_every_steps = 20
+  c.eval_every_steps = 200
+  c.eval_steps = 8
+  c.checkpoint_every_steps = 200
+  c.keep_checkpoints = 3
+  c.progress_bar = True
+
+  # Multi-token objective: total = ntp + λ · Σ_k w_k · loss_k, w_k = decay**k.
+  c.mtp_loss_scaling_factor = 1.0
+  c.mtp_head_weight_decay = 0.8
+  c.loss_chunk_size = 1024  # tokens per cross-entropy chunk (bounds logits memory)
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 4096
+  c.model.embed_dim = 256
+  c.model.num_layers = 4
+  c.model.num_heads = 8
+  c.model.num_kv_heads = 4
+  c.model.head_dim = 32
+  c.model.mlp_dim = 768
+  c.model.max_seq_len = 2048
+  c.model.rope_theta = 10_000.0
+  c.model.norm_eps = 1e-5
+  c.model.tie_embeddings = True
+  c.model.dtype = 'float32'        # activations; 'bfloat16' on accelerators
+  c.model.param_dtype = 'float32'
+  c.model.mtp_num_heads = 4        # heads predicting t+2 .. t+1+K
+  c.model.mtp_head_type = 'medusa'  # 'medusa' | 'parallel' | 'sequential'
+  c.model.medusa_num_layers = 1    # ResBlocks per Medusa head
+
+  c.data = ml_collections.ConfigDict()
+  c.data.corpus = 'stdlib'         # 'stdlib' or a directory of text/code files
+  c.data.extensions = ('.py',)     # file suffixes read from a directory corpus
+  c.data.valid_fraction = 0.05     # by a stable hash of each file's path
+  c.data.tokenizer = 'bpe'         # 'bpe' (trained on the train split) or 'byte'
+  c.data.seq_len = 256
+  c.data.batch_size = 16           # global batch, split over the mesh's data axes
+  c.data.max_corpus_bytes = -1     # cap for quick runs; -1 reads everything
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.mode = 'joint'           # 'joint' | 'frozen_trunk' (Medusa-1) | 'finetune' (Medusa-2)
+  c.optim.learning_rate = 3e-3
+  c.optim.head_lr_multiplier = 1.0
+  c.optim.warmup_steps = 100
+  c.optim.end_lr_fraction = 0.1
+  c.optim.weight_decay = 0.1
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+  c.optim.grad_clip_norm = 1.0
+
+  # Mesh: -1 takes the devices left over.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  return c
