@@ -1,0 +1,33 @@
+"""Small models and inputs for fast tests (importable by tests across the package)."""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from mtp.model import mtp_model
+from mtp.model import transformer
+
+
+def tiny_config(num_heads: int = 3, head_type: str = 'medusa', vocab_size: int = 61,
+                num_layers: int = 2, tie_embeddings: bool = True) -> mtp_model.ModelConfig:
+  trunk = transformer.TransformerConfig(
+      vocab_size=vocab_size, embed_dim=32, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+      head_dim=8, mlp_dim=64, max_seq_len=128, tie_embeddings=tie_embeddings)
+  return mtp_model.ModelConfig(trunk=trunk, mtp_num_heads=num_heads, mtp_head_type=head_type)
+
+
+def tiny_model(seed: int = 0, **kwargs) -> mtp_model.MTPModel:
+  """A random tiny model. Medusa heads get random (not zero) ResBlocks so heads differ."""
+  model = mtp_model.MTPModel(tiny_config(**kwargs), rngs=nnx.Rngs(seed))
+  if model.cfg.mtp_head_type == 'medusa' and model.heads is not None:
+    rng = np.random.default_rng(seed)
+    for blocks in model.heads.heads:
+      for block in blocks:
+        shape = block.linear.kernel[...].shape
+        block.linear.kernel[...] = rng.normal(0, 0.3, shape).astype(np.float32)
+  return model
+
+
+def random_tokens(shape, vocab_size: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab_size, shape).astype(np.int32)

@@ -1,0 +1,282 @@
+"""Llama-style trunk: embedding, RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+
+Two ways in:
+  * training: a packed batch, causal attention restricted to each row's documents
+    (`segment_ids`), no cache;
+  * cached: T new tokens per row written into a `KVCache` at each row's own committed length,
+    attending to the committed prefix and, inside the new block, to what `block_mask` allows
+    (lower-triangular for a chain; ancestors-only for a candidate tree).
+
+Parameters carry logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'norm') that
+`mtp.parallel.mesh` maps onto the device mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp.model import kv_cache as kv_cache_lib
+
+Array = jax.Array
+
+
+def partitioned(init, *axes: str | None):
+  """An initializer whose parameter carries logical axis names (sharded later, not eagerly)."""
+  return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def dtype_of(name: str | Any):
+  return jnp.dtype(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Shape of the trunk. Built from `config.model` by `from_config`."""
+  vocab_size: int
+  embed_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  max_seq_len: int
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+
+  @classmethod
+  def from_config(cls, model_config) -> 'TransformerConfig':
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(model_config).items() if k in names})
+
+  def validate(self) -> None:
+    for name in ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads',
+                 'head_dim', 'mlp_dim', 'max_seq_len'):
+      if getattr(self, name) <= 0:
+        raise ValueError(f'model.{name} must be positive, got {getattr(self, name)}.')
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'model.num_heads ({self.num_heads}) must be a multiple of '
+                       f'model.num_kv_heads ({self.num_kv_heads}).')
+    if self.head_dim % 2:
+      raise ValueError(f'model.head_dim must be even for rotary embeddings, got {self.head_dim}.')
+
+
+def rotary_embedding(x: Array, positions: Array, theta: float) -> Array:
+  """Rotates pairs of features by position-dependent angles (RoPE, half-split layout).
+
+  Args:
+    x: [B, T, N, H] queries or keys.
+    positions: [B, T] integer positions.
+  """
+  half = x.shape[-1] // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
+  sin = jnp.sin(angles)[:, :, None, :]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+def training_mask(segment_ids: Array) -> Array:
+  """[B, 1, T, T] causal mask that also stops attention across packed documents (id 0 = pad)."""
+  t = segment_ids.shape[1]
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return (causal[None] & same)[:, None]
+
+
+def cached_mask(lengths: Array, block_mask: Array, capacity: int) -> Array:
+  """[B, 1, T, S] mask for T new tokens written at slots [lengths, lengths + T) of each row.
+
+  Args:
+    lengths: [B] committed slots per row; all of them are visible.
+    block_mask: [T, T] or [B, T, T]: which new tokens each new token sees (itself included).
+    capacity: S, the cache size.
+  """
+  t = block_mask.shape[-1]
+  block_mask = jnp.broadcast_to(block_mask, (lengths.shape[0], t, t))
+  slots = jnp.arange(capacity)
+  relative = slots[None, :] - lengths[:, None]  # [B, S]
+  in_block = (relative >= 0) & (relative < t)
+  block_part = jnp.take_along_axis(
+      block_mask, jnp.broadcast_to(jnp.clip(relative, 0, t - 1)[:, None, :],
+                                   (lengths.shape[0], t, capacity)), axis=2)
+  committed = relative < 0
+  return (committed[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with rotary positions and an optional KV cache."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
+    out_init = nnx.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5
+                                       / (2 * cfg.num_layers) ** 0.5)
+    common = dict(use_bias=False, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
+                  rngs=rngs)
+    self.q_proj = nnx.Linear(cfg.embed_dim, cfg.num_heads * cfg.head_dim,
+                             kernel_init=partitioned(init, 'embed', 'heads'), **common)
+    self.k_proj = nnx.Linear(cfg.embed_dim, cfg.num_kv_heads * cfg.head_dim,
+                             kernel_init=partitioned(init, 'embed', 'kv_heads'), **common)
+    self.v_proj = nnx.Linear(cfg.embed_dim, cfg.num_kv_heads * cfg.head_dim,
+                             kernel_init=partitioned(init, 'embed', 'kv_heads'), **common)
+    self.o_proj = nnx.Linear(cfg.num_heads * cfg.head_dim, cfg.embed_dim,
+                             kernel_init=partitioned(out_init, 'heads', 'embed'), **common)
+
+  def __call__(self, x: Array, positions: Array, mask: Array,
+               cache: tuple[Array, Array] | None = None,
+               lengths: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
+    """Attends x [B, T, D] at `positions` [B, T].
+
+    Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, S, K, H],
+    the new keys and values are written at slots `lengths` [B] onward and `mask` is
+    [B, 1, T, S]. Returns the output [B, T, D] and the updated (keys, values) or None.
+    """
+    cfg = self.cfg
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = rotary_embedding(q, positions, cfg.rope_theta)
+    k = rotary_embedding(k, positions, cfg.rope_theta)
+    if cache is not None:
+      keys = kv_cache_lib.write_rows(cache[0], k, lengths)
+      values = kv_cache_lib.write_rows(cache[1], v, lengths)
+      k, v = keys.astype(q.dtype), values.astype(q.dtype)
+      cache = (keys, values)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
+    out_init = nnx.initializers.normal(cfg.mlp_dim ** -0.5 / (2 * cfg.num_layers) ** 0.5)
+    common = dict(use_bias=False, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
+                  rngs=rngs)
+    self.gate = nnx.Linear(cfg.embed_dim, cfg.mlp_dim,
+                           kernel_init=partitioned(init, 'embed', 'mlp'), **common)
+    self.up = nnx.Linear(cfg.embed_dim, cfg.mlp_dim,
+                         kernel_init=partitioned(init, 'embed', 'mlp'), **common)
+    self.down = nnx.Linear(cfg.mlp_dim, cfg.embed_dim,
+                           kernel_init=partitioned(out_init, 'mlp', 'embed'), **common)
+
+  def __call__(self, x: Array) -> Array:
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def rms_norm(cfg: TransformerConfig, *, rngs: nnx.Rngs, features: int | None = None):
+  return nnx.RMSNorm(features or cfg.embed_dim, epsilon=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
+                     param_dtype=dtype_of(cfg.param_dtype),
+                     scale_init=partitioned(nnx.initializers.ones_init(), 'norm'), rngs=rngs)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = rms_norm(cfg, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = rms_norm(cfg, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, mask, cache=None, lengths=None):
+    attended, cache = self.attn(self.attn_norm(x), positions, mask, cache, lengths)
+    x = x + attended
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+
+def run_blocks(blocks, x: Array, positions: Array, mask: Array,
+               cache: kv_cache_lib.KVCache | None, lengths: Array | None,
+               first_layer: int = 0) -> tuple[Array, list[tuple[Array, Array]]]:
+  """Runs `blocks` in order; with a cache, block i uses cache layer first_layer + i."""
+  updated = []
+  for i, block in enumerate(blocks):
+    layer_cache = None
+    if cache is not None:
+      layer_cache = (cache.keys[first_layer + i], cache.values[first_layer + i])
+    x, layer_cache = block(x, positions, mask, layer_cache, lengths)
+    updated.append(layer_cache)
+  return x, updated
+
+
+class Transformer(nnx.Module):
+  """The trunk. `__call__` returns the last hidden state before the final norm."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    cfg.validate()
+    self.cfg = cfg
+    self.embedding = nnx.Embed(
+        cfg.vocab_size, cfg.embed_dim, dtype=dtype_of(cfg.dtype),
+        param_dtype=dtype_of(cfg.param_dtype),
+        embedding_init=partitioned(nnx.initializers.normal(0.02), 'vocab', 'embed'), rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = rms_norm(cfg, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.output = nnx.Param(partitioned(nnx.initializers.normal(cfg.embed_dim ** -0.5),
+                                          'embed', 'vocab')(
+          rngs.params(), (cfg.embed_dim, cfg.vocab_size), dtype_of(cfg.param_dtype)))
+
+  def embed(self, tokens: Array) -> Array:
+    """[B, T] ids -> [B, T, D]."""
+    return self.embedding(tokens)
+
+  def unembedding(self) -> Array:
+    """The [D, V] output matrix (the transposed embedding when tied)."""
+    if self.cfg.tie_embeddings:
+      return self.embedding.embedding[...].T
+    return self.output[...]
+
+  def logits(self, normed: Array) -> Array:
+    """Projects already-normalised hidden states [..., D] to logits [..., V] in float32."""
+    w = self.unembedding().astype(dtype_of(self.cfg.dtype))
+    return jnp.dot(normed, w).astype(jnp.float32)
+
+  def __call__(self, tokens: Array, positions: Array, segment_ids: Array | None = None, *,
+               cache: kv_cache_lib.KVCache | None = None, lengths: Array | None = None,
+               block_mask: Array | None = None):
+    """Runs the trunk.
+
+    Args:
+      tokens: [B, T] ids.
+      positions: [B, T] rotary positions.
+      segment_ids: [B, T] document ids for packed training rows (0 = padding); training only.
+      cache: if given, the new tokens are written at slots `lengths` [B] onward.
+      block_mask: [T, T] or [B, T, T] visibility inside the new block; causal by default.
+
+    Returns:
+      (hidden [B, T, D] before the final norm, updated cache or None). Only the trunk's first
+      `num_layers` cache layers are used and returned updated; others pass through.
+    """
+    x = self.embed(tokens)
+    if cache is None:
+      if segment_ids is None:
+        segment_ids = jnp.ones(tokens.shape, jnp.int32)
+      x, _ = run_blocks(self.blocks, x, positions, training_mask(segment_ids), None, None)
+      return x, None
+    t = tokens.shape[1]
+    if block_mask is None:
+      block_mask = jnp.tril(jnp.ones((t, t), bool))
+    mask = cached_mask(lengths, block_mask, cache.capacity)
+    x, updated = run_blocks(self.blocks, x, positions, mask, cache, lengths)
+    return x, replace_layers(cache, 0, updated)
+
+
+def replace_layers(cache: kv_cache_lib.KVCache, first_layer: int,
+                   updated: list[tuple[Array, Array]]) -> kv_cache_lib.KVCache:
+  """The cache with layers first_layer.. replaced by `updated` (keys, values) pairs."""
+  keys, values = list(cache.keys), list(cache.values)
+  for i, (k, v) in enumerate(updated):
+    keys[first_layer + i], values[first_layer + i] = k, v
+  return kv_cache_lib.KVCache(keys=tuple(keys), values=tuple(values))

@@ -1,0 +1,129 @@
+"""Trunk: cached forward equals the full forward; causal and document masking."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.model import kv_cache
+from mtp.model import testing
+from mtp.model import transformer
+
+
+def _positions(b, t, start=0):
+  return jnp.broadcast_to(jnp.arange(start, start + t), (b, t))
+
+
+def _full_logits(model, tokens):
+  hidden, _ = model.trunk(tokens, _positions(*tokens.shape))
+  return model.logits(model.trunk.final_norm(hidden))
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_cached_forward_matches_full_forward_in_chunks(tie):
+  model = testing.tiny_model(tie_embeddings=tie)
+  tokens = jnp.asarray(testing.random_tokens((2, 12), 61))
+  expected = _full_logits(model, tokens)
+  cache = model.init_cache(2, 32)
+  lengths = jnp.zeros(2, jnp.int32)
+  got = []
+  for start, stop in [(0, 5), (5, 6), (6, 9), (9, 12)]:
+    out, cache = model.step(tokens[:, start:stop], _positions(2, stop - start, start), cache,
+                            lengths)
+    got.append(model.logits(out.normed))
+    lengths = lengths + (stop - start)
+  np.testing.assert_allclose(jnp.concatenate(got, 1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_cached_forward_with_a_different_length_per_row():
+  model = testing.tiny_model()
+  tokens = jnp.asarray(testing.random_tokens((2, 10), 61, seed=1))
+  expected = _full_logits(model, tokens)
+  # Row 0 has 6 tokens committed, row 1 has 3; both then take 3 more in one call.
+  prefix = jnp.array([6, 3])
+  cache = model.init_cache(2, 16)
+  _, cache = model.step(tokens[:, :6], _positions(2, 6), cache, jnp.zeros(2, jnp.int32))
+  new_tokens = jnp.stack([tokens[0, 6:9], tokens[1, 3:6]])
+  new_positions = prefix[:, None] + jnp.arange(3)
+  out, _ = model.step(new_tokens, new_positions, cache, prefix)
+  got = model.logits(out.normed)
+  np.testing.assert_allclose(got[0], expected[0, 6:9], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(got[1], expected[1, 3:6], atol=1e-4, rtol=1e-4)
+
+
+def test_changing_a_later_token_changes_no_earlier_logit():
+  model = testing.tiny_model()
+  tokens = testing.random_tokens((1, 10), 61, seed=2)
+  changed = tokens.copy()
+  changed[0, 6] = (changed[0, 6] + 1) % 61
+  a = _full_logits(model, jnp.asarray(tokens))
+  b = _full_logits(model, jnp.asarray(changed))
+  np.testing.assert_array_equal(a[:, :6], b[:, :6])
+  assert not np.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_packed_documents_do_not_see_each_other():
+  model = testing.tiny_model()
+  first = testing.random_tokens((1, 5), 61, seed=3)
+  second = testing.random_tokens((1, 4), 61, seed=4)
+  packed = jnp.asarray(np.concatenate([first, second], 1))
+  segments = jnp.array([[1] * 5 + [2] * 4])
+  positions = jnp.array([list(range(5)) + list(range(4))])
+  hidden, _ = model.trunk(packed, positions, segments)
+  alone, _ = model.trunk(jnp.asarray(second), _positions(1, 4))
+  np.testing.assert_allclose(hidden[:, 5:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_block_mask_matches_each_path_run_as_a_chain():
+  model = testing.tiny_model()
+  prompt = jnp.asarray(testing.random_tokens((1, 4), 61, seed=5))
+  cache = model.init_cache(1, 32)
+  _, cache = model.step(prompt, _positions(1, 4), cache, jnp.zeros(1, jnp.int32))
+  lengths = jnp.array([4])
+  # Tree: root r, children a and b, a's child c. Node order [r, a, b, c]; depths [0, 1, 1, 2].
+  nodes = jnp.array([[7, 11, 13, 17]])
+  parent = [-1, 0, 0, 1]
+  mask = np.eye(4, dtype=bool)
+  for i in range(4):
+    j = parent[i]
+    while j >= 0:
+      mask[i, j] = True
+      j = parent[j]
+  depth = jnp.array([0, 1, 1, 2])
+  out, tree_cache = model.step(nodes, lengths[:, None] + depth, cache, lengths, jnp.asarray(mask))
+  tree_logits = model.logits(out.normed)
+  for path in ([0, 1, 3], [0, 2]):
+    chain_out, _ = model.step(nodes[:, path], lengths[:, None] + jnp.arange(len(path)), cache,
+                              lengths)
+    np.testing.assert_allclose(model.logits(chain_out.normed), tree_logits[:, path],
+                               atol=1e-4, rtol=1e-4)
+  # Compacting the path [r, b] then continuing equals having run that path as a chain.
+  compacted = kv_cache.compact(tree_cache, lengths, jnp.array([[0, 2, 2]]))
+  chain_out, chain_cache = model.step(nodes[:, [0, 2]], lengths[:, None] + jnp.arange(2), cache,
+                                      lengths)
+  nxt = jnp.array([[5]])
+  a, _ = model.step(nxt, jnp.array([[6]]), compacted, jnp.array([6]))
+  b, _ = model.step(nxt, jnp.array([[6]]), chain_cache, jnp.array([6]))
+  np.testing.assert_allclose(a.normed, b.normed, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_embedding_preserves_norm_and_depends_on_relative_position():
+  x = jax.random.normal(jax.random.key(0), (1, 2, 1, 8))
+  q = transformer.rotary_embedding(x[:, :1], jnp.array([[3]]), 10_000.0)
+  k = transformer.rotary_embedding(x[:, 1:], jnp.array([[1]]), 10_000.0)
+  q2 = transformer.rotary_embedding(x[:, :1], jnp.array([[7]]), 10_000.0)
+  k2 = transformer.rotary_embedding(x[:, 1:], jnp.array([[5]]), 10_000.0)
+  np.testing.assert_allclose(jnp.sum(q * k), jnp.sum(q2 * k2), rtol=1e-5)
+  np.testing.assert_allclose(jnp.linalg.norm(q), jnp.linalg.norm(x[:, :1]), rtol=1e-5)
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('num_kv_heads', 3, 'multiple of'),
+    ('num_layers', 0, 'num_layers must be positive'),
+    ('head_dim', 7, 'even'),
+])
+def test_bad_trunk_config_is_named(field, value, message):
+  import dataclasses
+  cfg = dataclasses.replace(testing.tiny_config().trunk, **{field: value})
+  with pytest.raises(ValueError, match=message):
+    cfg.validate()
