@@ -1,0 +1,98 @@
+"""The joint loss equals a direct computation; labels respect document boundaries."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mtp.train import loss as loss_lib
+
+
+def _direct(hidden, w, tokens, segments, lam, weights):
+  """Full logits for every head at once, optax cross-entropy, explicit loops over positions."""
+  k1, b, t, _ = hidden.shape
+  logits = np.asarray(jnp.einsum('kbtd,dv->kbtv', hidden, w))
+  losses, accs = [], []
+  for k in range(k1):
+    num, correct, count = 0.0, 0, 0
+    for i in range(b):
+      for j in range(t):
+        target = j + 1 + k
+        if target >= t or segments[i, j] == 0 or segments[i, target] != segments[i, j]:
+          continue
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits[k, i, j], tokens[i, target])
+        num += float(ce)
+        correct += int(np.argmax(logits[k, i, j]) == tokens[i, target])
+        count += 1
+    losses.append(num / count)
+    accs.append(correct / count)
+  total = losses[0] + lam * sum(wk * lk for wk, lk in zip(weights, losses[1:]))
+  return total, losses, accs
+
+
+def test_loss_equals_direct_computation_with_packed_documents():
+  rng = np.random.default_rng(0)
+  k1, b, t, d, v = 4, 2, 9, 8, 13
+  hidden = jnp.asarray(rng.normal(size=(k1, b, t, d)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+  tokens = rng.integers(0, v, (b, t)).astype(np.int32)
+  segments = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 0, 0]], np.int32)
+  weights = loss_lib.head_weights(3, 0.8)
+  out = loss_lib.mtp_loss(hidden, w, jnp.asarray(tokens), jnp.asarray(segments),
+                          loss_scaling_factor=0.5, weights=weights, chunk_size=5)
+  total, losses, accs = _direct(hidden, w, tokens, segments, 0.5, weights)
+  np.testing.assert_allclose(out.total, total, rtol=1e-5)
+  np.testing.assert_allclose(out.metrics['ntp_loss'], losses[0], rtol=1e-5)
+  for k in (1, 2, 3):
+    np.testing.assert_allclose(out.metrics[f'head_{k}_loss'], losses[k], rtol=1e-5)
+    np.testing.assert_allclose(out.metrics[f'head_{k}_acc'], accs[k], rtol=1e-6)
+
+
+def test_chunked_cross_entropy_gradient_matches_unchunked():
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(11, 6)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(6, 17)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 17, 11), jnp.int32)
+
+  def chunked(x, w):
+    return jnp.sum(loss_lib.chunked_cross_entropy(x, w, y, chunk_size=4)[0])
+
+  def full(x, w):
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x @ w, y))
+
+  np.testing.assert_allclose(chunked(x, w), full(x, w), rtol=1e-5)
+  for a, b in zip(jax.grad(chunked, (0, 1))(x, w), jax.grad(full, (0, 1))(x, w)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_shifted_labels_stop_at_document_boundaries_and_padding():
+  tokens = jnp.array([[5, 6, 7, 8, 9]])
+  segments = jnp.array([[1, 1, 2, 2, 0]])
+  labels, valid = loss_lib.shifted_labels(tokens, segments, 1)
+  np.testing.assert_array_equal(labels, [[6, 7, 8, 9, 0]])
+  np.testing.assert_array_equal(valid, [[True, False, True, False, False]])
+
+
+def test_acceptance_proxy_counts_prefixes_that_agree_with_the_trunk():
+  # Trunk argmax per position; head 1 at t should equal trunk at t+1, head 2 trunk at t+2.
+  trunk = np.array([[10, 11, 12, 13, 14, 15]])
+  head1 = np.array([[11, 12, 0, 14, 15, 0]])   # agrees at t = 0, 1, 3, 4
+  head2 = np.array([[12, 0, 0, 15, 0, 0]])     # agrees at t = 0, 3
+  predictions = jnp.asarray(np.stack([trunk, head1, head2]))
+  valid = jnp.ones((3, 1, 6), bool)
+  # Accepted prefix lengths: t0: 2, t1: 1, t2: 0, t3: 2, t4: 1, t5: 0 (head 1 wants t6).
+  got = loss_lib.acceptance_proxy(predictions, valid)
+  np.testing.assert_allclose(got, 6 / 6)
+
+
+def test_oracle_heads_have_full_acceptance():
+  trunk = np.arange(20).reshape(1, 20)
+  heads = [np.concatenate([trunk[:, k:], -np.ones((1, k), int)], 1) for k in (1, 2, 3)]
+  predictions = jnp.asarray(np.stack([trunk] + heads))
+  valid = jnp.ones((4, 1, 20), bool)
+  for k in range(4):  # head k's label t+1+k exists for t < 19 - k
+    valid = valid.at[k, :, 19 - k:].set(False)
+  got = loss_lib.acceptance_proxy(predictions, valid)
+  # Every position accepts as many heads as have labels there: min(3, 18 - t) for t < 19.
+  expected = sum(min(3, max(0, 19 - 1 - t)) for t in range(19)) / 19
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
