@@ -1,0 +1,129 @@
+"""Real text and code available offline: the Python standard library, a directory, held-out code.
+
+Everything here is deterministic: file lists are sorted and the train/valid split depends only on
+each file's path relative to the corpus root (a SHA-1 hash), so it is the same on every run and
+machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+import hashlib
+import importlib.util
+import os
+import pathlib
+import sysconfig
+from typing import Any
+
+EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-packages',
+                           '__pycache__'})
+DEFAULT_HELDOUT_PACKAGES = ('ml_collections', 'absl')
+
+
+def _walk(root: pathlib.Path, suffixes: tuple[str, ...],
+          skip_dirs: frozenset[str]) -> list[pathlib.Path]:
+  """Sorted files under `root` ending with `suffixes`; skips `skip_dirs` and hidden dirs."""
+  found = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith('.')]
+    found.extend(pathlib.Path(dirpath, f) for f in filenames if f.endswith(suffixes))
+  return sorted(p for p in found if p.is_file())
+
+
+def stdlib_root() -> pathlib.Path:
+  """The running interpreter's standard-library directory."""
+  return pathlib.Path(sysconfig.get_paths()['stdlib'])
+
+
+def stdlib_files() -> list[pathlib.Path]:
+  """Sorted `.py` sources of the standard library, without test directories or site-packages."""
+  root = stdlib_root()
+  files = _walk(root, ('.py',), EXCLUDED_DIRS)
+  if not files:
+    raise ValueError(f'No standard-library .py files found under {root}.')
+  return files
+
+
+def list_files(directory: str | pathlib.Path, extensions: Iterable[str]) -> list[pathlib.Path]:
+  """Sorted files under `directory` whose name ends with one of `extensions`.
+
+  Recursive; hidden directories and `__pycache__` are skipped.
+  """
+  directory = pathlib.Path(directory)
+  extensions = tuple(e if e.startswith('.') else f'.{e}' for e in extensions)
+  if not directory.is_dir():
+    raise ValueError(f'Corpus directory {str(directory)!r} does not exist or is not a '
+                     'directory.')
+  files = _walk(directory, extensions, frozenset({'__pycache__'}))
+  if not files:
+    raise ValueError(f'Corpus directory {str(directory)!r} holds no file with extension '
+                     f'{list(extensions)}.')
+  return files
+
+
+def _unit_hash(key: str) -> float:
+  """A stable pseudo-random number in [0, 1) from a string."""
+  digest = hashlib.sha1(key.encode('utf-8')).digest()
+  return int.from_bytes(digest[:8], 'big') / 2.0**64
+
+
+def split_files(paths: Sequence[pathlib.Path], valid_fraction: float,
+                root: str | pathlib.Path) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+  """(train, valid) by a hash of each path relative to `root`; both keep the input order.
+
+  When the hash puts no file in valid although `valid_fraction > 0` and there are at least two
+  files, the file with the smallest hash goes to valid, so a tiny corpus still has a valid split.
+  """
+  if not 0.0 <= valid_fraction < 1.0:
+    raise ValueError(f'valid_fraction must be in [0, 1), got {valid_fraction}.')
+  root = pathlib.Path(root)
+  hashes = [_unit_hash(pathlib.Path(p).relative_to(root).as_posix()) for p in paths]
+  is_valid = [h < valid_fraction for h in hashes]
+  if valid_fraction > 0 and len(paths) >= 2 and not any(is_valid):
+    is_valid[min(range(len(paths)), key=hashes.__getitem__)] = True
+  train = [p for p, v in zip(paths, is_valid) if not v]
+  valid = [p for p, v in zip(paths, is_valid) if v]
+  return train, valid
+
+
+def read_text(path: str | pathlib.Path) -> str:
+  """UTF-8 text of a file; undecodable bytes become U+FFFD."""
+  return pathlib.Path(path).read_text(encoding='utf-8', errors='replace')
+
+
+def corpus_root(data_config: Any) -> pathlib.Path:
+  """Root directory of `data_config.corpus` ('stdlib' or a directory)."""
+  if data_config.corpus == 'stdlib':
+    return stdlib_root()
+  return pathlib.Path(data_config.corpus).expanduser()
+
+
+def corpus_files(data_config: Any) -> list[pathlib.Path]:
+  """Sorted files of `data_config.corpus`, filtered by `data_config.extensions` for a directory."""
+  if data_config.corpus == 'stdlib':
+    return stdlib_files()
+  return list_files(corpus_root(data_config), data_config.extensions)
+
+
+def corpus_splits(data_config: Any) -> dict[str, list[pathlib.Path]]:
+  """{'train': [...], 'valid': [...]} for `data_config` (corpus, extensions, valid_fraction)."""
+  train, valid = split_files(corpus_files(data_config), data_config.valid_fraction,
+                             corpus_root(data_config))
+  return {'train': train, 'valid': valid}
+
+
+def heldout_files(packages: Sequence[str] = DEFAULT_HELDOUT_PACKAGES) -> list[pathlib.Path]:
+  """Sorted `.py` sources of installed non-stdlib packages: code the model never trained on.
+
+  Packages that are not installed are skipped; raises ValueError if none is found.
+  """
+  files: list[pathlib.Path] = []
+  for name in packages:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+      continue
+    for location in spec.submodule_search_locations:
+      files.extend(_walk(pathlib.Path(location), ('.py',), EXCLUDED_DIRS))
+  if not files:
+    raise ValueError(f'None of the packages {list(packages)} is installed.')
+  return sorted(set(files))

@@ -1,0 +1,99 @@
+"""Tests for mtp.data.corpora."""
+
+import pathlib
+
+import ml_collections
+import pytest
+
+from mtp.data import corpora
+
+
+def _write(root: pathlib.Path, names: list[str]) -> None:
+  for name in names:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'# {name}\n')
+
+
+def test_stdlib_files():
+  files = corpora.stdlib_files()
+  root = corpora.stdlib_root()
+  rel = [f.relative_to(root).as_posix() for f in files]
+  assert len(files) > 300
+  assert files == sorted(files)
+  assert all(f.suffix == '.py' for f in files)
+  assert {'os.py', 'json/__init__.py', 'asyncio/tasks.py'} <= set(rel)
+  for parts in (pathlib.PurePosixPath(r).parts for r in rel):
+    assert not {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages'} & set(parts)
+
+
+def test_list_files(tmp_path):
+  _write(tmp_path, ['b.py', 'a/c.py', 'a/d.txt', 'a/e.md', '.git/f.py', 'a/__pycache__/g.py'])
+  assert corpora.list_files(tmp_path, ('.py',)) == [tmp_path / 'a/c.py', tmp_path / 'b.py']
+  assert corpora.list_files(tmp_path, ['py', '.txt']) == [
+      tmp_path / 'a/c.py', tmp_path / 'a/d.txt', tmp_path / 'b.py']
+
+
+def test_list_files_errors(tmp_path):
+  with pytest.raises(ValueError, match='does not exist'):
+    corpora.list_files(tmp_path / 'missing', ('.py',))
+  (tmp_path / 'empty').mkdir()
+  _write(tmp_path / 'empty', ['notes.txt'])
+  with pytest.raises(ValueError, match=r"empty' holds no file"):
+    corpora.list_files(tmp_path / 'empty', ('.py',))
+
+
+def test_split_files_stable_and_disjoint(tmp_path):
+  root = pathlib.Path('/x')
+  paths = [root / f'pkg/m{i}.py' for i in range(40)]
+  train, valid = corpora.split_files(paths, 0.2, root)
+  # Fixed by SHA-1 of the relative path: the same on every run and machine.
+  assert [p.name for p in valid] == ['m6.py', 'm16.py', 'm23.py', 'm24.py', 'm26.py', 'm30.py']
+  assert not set(train) & set(valid)
+  assert sorted(train + valid) == sorted(paths)
+  assert train == [p for p in paths if p not in valid]  # order kept
+  # Only the path relative to the root matters.
+  other = pathlib.Path('/elsewhere/deeper')
+  _, valid2 = corpora.split_files([other / p.relative_to(root) for p in paths], 0.2, other)
+  assert [p.name for p in valid2] == [p.name for p in valid]
+  assert corpora.split_files(paths, 0.0, root) == (paths, [])
+
+
+def test_split_files_tiny_corpus_keeps_a_valid_file():
+  root = pathlib.Path('/x')
+  paths = [root / 'a.py', root / 'b.py']
+  train, valid = corpora.split_files(paths, 0.05, root)
+  assert len(train) == 1 and len(valid) == 1
+  with pytest.raises(ValueError, match='valid_fraction'):
+    corpora.split_files(paths, 1.0, root)
+
+
+def test_read_text_tolerates_bad_bytes(tmp_path):
+  path = tmp_path / 'bad.py'
+  path.write_bytes(b'ok = 1\n\xff\xfe bad\n')
+  assert corpora.read_text(path) == 'ok = 1\n\ufffd\ufffd bad\n'
+
+
+def test_corpus_files_and_splits(tmp_path):
+  _write(tmp_path, [f'm{i}.py' for i in range(30)] + ['skip.txt'])
+  cfg = ml_collections.ConfigDict(
+      {'corpus': str(tmp_path), 'extensions': ('.py',), 'valid_fraction': 0.2})
+  files = corpora.corpus_files(cfg)
+  assert len(files) == 30
+  splits = corpora.corpus_splits(cfg)
+  assert sorted(splits['train'] + splits['valid']) == files
+  assert splits['valid']
+  cfg.corpus = 'stdlib'
+  assert corpora.corpus_files(cfg) == corpora.stdlib_files()
+  cfg.corpus = str(tmp_path / 'missing')
+  with pytest.raises(ValueError, match='missing'):
+    corpora.corpus_files(cfg)
+
+
+def test_heldout_files():
+  files = corpora.heldout_files()
+  assert files and all(f.suffix == '.py' for f in files)
+  stdlib = set(corpora.stdlib_files())
+  assert not stdlib & set(files)
+  with pytest.raises(ValueError, match='installed'):
+    corpora.heldout_files(('no_such_package_xyz',))

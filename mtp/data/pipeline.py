@@ -1,0 +1,255 @@
+"""Documents -> packed fixed-length rows -> grain batches, sharded by process.
+
+Batch format (every batch is a dict of numpy int32 arrays, shape [global_batch // process_count,
+seq_len]):
+  tokens       token ids; each document ends with eos; the last row may end with pad (id 0).
+  segment_ids  1, 2, 3, ... for the document pieces within a row; 0 marks padding.
+  positions    position within the segment, 0 at every segment start (also at the start of a row
+               whose document continues from the previous row).
+
+Rows are made by concatenating all documents and cutting every `seq_len` tokens. The packed
+arrays of a split are cached as `.npz` under a cache directory, keyed by the tokenizer, the file
+list, `seq_len` and `max_corpus_bytes`.
+
+The train iterator is a grain `DatasetIterator` whose state (`get_state`/`set_state`) is the
+number of global batches produced: save it beside the train state with Orbax using
+`iterator_checkpoint_args`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+import grain
+import numpy as np
+
+from mtp.data import corpora
+from mtp.data import tokenizer as tokenizer_lib
+
+Arrays = dict[str, np.ndarray]
+KEYS = ('tokens', 'segment_ids', 'positions')
+_CACHE_VERSION = 1
+
+
+def tokenize_documents(texts: Sequence[str],
+                       tokenizer: tokenizer_lib.Tokenizer) -> list[np.ndarray]:
+  """Each text's ids followed by `eos_id`: a list of int32 arrays of shape [len_i + 1]."""
+  eos = np.array([tokenizer.eos_id], np.int32)
+  return [np.concatenate([ids, eos]) for ids in tokenizer.encode_arrays(list(texts))]
+
+
+def pack(docs: Sequence[np.ndarray], seq_len: int, *, pad_id: int = 0,
+         drop_remainder: bool = False) -> Arrays:
+  """Concatenates `docs` and cuts rows of `seq_len` tokens.
+
+  Returns `tokens`, `segment_ids` and `positions`, each int32 [N, seq_len] (see module doc).
+  The final partial row is padded (pad_id, segment 0, position 0), or dropped if
+  `drop_remainder`.
+  """
+  if seq_len < 2:
+    raise ValueError(f'seq_len must be at least 2, got {seq_len}.')
+  lengths = np.array([len(d) for d in docs], np.int64)
+  flat = (np.concatenate([np.asarray(d, np.int32) for d in docs]) if len(docs)
+          else np.zeros([0], np.int32))
+  doc_index = np.repeat(np.arange(len(docs), dtype=np.int64), lengths)
+  total = flat.shape[0]
+  num_rows = total // seq_len if drop_remainder else -(-total // seq_len)
+  size = num_rows * seq_len
+  valid = np.arange(size) < total
+  tokens = np.full([size], pad_id, np.int32)
+  tokens[:min(total, size)] = flat[:size]
+  # Padding gets a document index of its own (-1) so it always starts a new piece.
+  doc = np.full([size], -1, np.int64)
+  doc[:min(total, size)] = doc_index[:size]
+  tokens, doc, valid = (x.reshape(num_rows, seq_len) for x in (tokens, doc, valid))
+
+  starts = np.ones_like(doc, dtype=bool)
+  starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+  segment_ids = np.cumsum(starts, axis=1, dtype=np.int32)
+  columns = np.broadcast_to(np.arange(seq_len, dtype=np.int32), doc.shape)
+  start_column = np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
+  positions = (columns - start_column).astype(np.int32)
+  segment_ids = np.where(valid, segment_ids, 0).astype(np.int32)
+  positions = np.where(valid, positions, 0).astype(np.int32)
+  return {'tokens': tokens, 'segment_ids': segment_ids, 'positions': positions}
+
+
+def split_texts(data_config: Any, split: str) -> list[str]:
+  """Texts of the files of `split` ('train' or 'valid'), capped by `max_corpus_bytes`."""
+  files = _split_files(data_config, split)
+  return _read_capped(files, data_config.max_corpus_bytes)
+
+
+def _split_files(data_config: Any, split: str) -> list[pathlib.Path]:
+  splits = corpora.corpus_splits(data_config)
+  if split not in splits:
+    raise ValueError(f'Unknown split {split!r}; expected one of {sorted(splits)}.')
+  if not splits[split]:
+    raise ValueError(f'Split {split!r} of corpus {data_config.corpus!r} has no files '
+                     f'(valid_fraction={data_config.valid_fraction}).')
+  return splits[split]
+
+
+def _read_capped(files: Sequence[pathlib.Path], max_bytes: int) -> list[str]:
+  """Texts of `files` in order, `max_bytes` UTF-8 bytes in all (last one cut); <= 0: no cap."""
+  if max_bytes <= 0:
+    return [corpora.read_text(p) for p in files]
+  texts, left = [], max_bytes
+  for path in files:
+    data = corpora.read_text(path).encode('utf-8')
+    texts.append(data[:left].decode('utf-8', errors='ignore'))
+    left -= len(data)
+    if left <= 0:
+      break
+  return texts
+
+
+def build_tokenizer(data_config: Any, vocab_size: int) -> tokenizer_lib.Tokenizer:
+  """`data_config.tokenizer`: 'byte', or 'bpe' trained on the (capped) train split."""
+  if data_config.tokenizer == 'byte':
+    return tokenizer_lib.byte_tokenizer()
+  if data_config.tokenizer == 'bpe':
+    return tokenizer_lib.train_bpe(split_texts(data_config, 'train'), vocab_size)
+  raise ValueError(f"data.tokenizer must be 'bpe' or 'byte', got {data_config.tokenizer!r}.")
+
+
+def load_or_build_tokenizer(data_config: Any, vocab_size: int,
+                            directory: str | pathlib.Path) -> tokenizer_lib.Tokenizer:
+  """Loads `directory/tokenizer.json` if present, else builds one and saves it there."""
+  path = pathlib.Path(directory) / tokenizer_lib.FILENAME
+  if path.exists():
+    return tokenizer_lib.Tokenizer.load(path)
+  tok = build_tokenizer(data_config, vocab_size)
+  tok.save(directory)
+  return tok
+
+
+def _cache_key(data_config: Any, tokenizer: tokenizer_lib.Tokenizer,
+               files: Sequence[pathlib.Path]) -> str:
+  root = corpora.corpus_root(data_config)
+  desc = {
+      'version': _CACHE_VERSION,
+      'tokenizer': tokenizer.to_json(),
+      'files': [(p.relative_to(root).as_posix(), p.stat().st_size) for p in files],
+      'seq_len': int(data_config.seq_len),
+      'max_corpus_bytes': int(data_config.max_corpus_bytes),
+  }
+  return hashlib.sha1(json.dumps(desc, sort_keys=True).encode('utf-8')).hexdigest()[:16]
+
+
+def load_or_build_split(data_config: Any, tokenizer: tokenizer_lib.Tokenizer, split: str,
+                        cache_dir: str | pathlib.Path) -> Arrays:
+  """Packed arrays of `split`, read from `cache_dir/{split}-{key}.npz` or built and cached."""
+  files = _split_files(data_config, split)
+  cache_dir = pathlib.Path(cache_dir)
+  path = cache_dir / f'{split}-{_cache_key(data_config, tokenizer, files)}.npz'
+  if path.exists():
+    with np.load(path) as data:
+      return {k: data[k] for k in KEYS}
+  start = time.perf_counter()
+  texts = _read_capped(files, data_config.max_corpus_bytes)
+  arrays = pack(tokenize_documents(texts, tokenizer), data_config.seq_len,
+                pad_id=tokenizer.pad_id)
+  logging.info('Built %s split: %d files, %d rows of %d tokens in %.1fs -> %s', split,
+               len(texts), arrays['tokens'].shape[0], data_config.seq_len,
+               time.perf_counter() - start, path)
+  cache_dir.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(f'{path.stem}.{os.getpid()}.tmp.npz')
+  np.savez(tmp, **arrays)
+  tmp.replace(path)
+  return arrays
+
+
+def _check_batching(arrays: Mapping[str, np.ndarray], global_batch_size: int,
+                    process_index: int, process_count: int, split: str) -> int:
+  """Validates the arguments and returns the per-process batch size."""
+  shapes = {k: np.shape(v) for k, v in arrays.items()}
+  if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()), ())) != 2:
+    raise ValueError(f'Arrays must all have one shape [rows, seq_len], got {shapes}.')
+  if global_batch_size <= 0:
+    raise ValueError(f'global_batch_size must be positive, got {global_batch_size}.')
+  if process_count <= 0 or not 0 <= process_index < process_count:
+    raise ValueError(f'Bad process_index={process_index} for process_count={process_count}.')
+  if global_batch_size % process_count:
+    raise ValueError(f'global_batch_size={global_batch_size} is not divisible by '
+                     f'process_count={process_count}.')
+  num_rows = next(iter(shapes.values()))[0]
+  if num_rows < global_batch_size:
+    raise ValueError(f'Split {split!r} has {num_rows} rows, fewer than one global batch of '
+                     f'{global_batch_size}: use a smaller batch or seq_len, or more data '
+                     '(max_corpus_bytes).')
+  return global_batch_size // process_count
+
+
+@dataclasses.dataclass(frozen=True)
+class _TakeRows(grain.transforms.Map):
+  """Global batch of row indices -> this process's rows of every array."""
+  arrays: Mapping[str, np.ndarray]
+  start: int
+  stop: int
+
+  def map(self, indices: np.ndarray) -> Arrays:
+    rows = np.asarray(indices)[self.start:self.stop]
+    return {k: v[rows] for k, v in self.arrays.items()}
+
+
+def make_train_iterator(arrays: Mapping[str, np.ndarray], global_batch_size: int, seed: int,
+                        process_index: int = 0, process_count: int = 1, *,
+                        split: str = 'train', prefetch: int = 0) -> grain.DatasetIterator:
+  """Infinite, shuffled (differently each epoch) batches of [global_batch / process_count, L].
+
+  Process p gets rows [p * b, (p + 1) * b) of every global batch (b the per-process batch), so
+  the global batch is the same for every `process_count`. Everything is deterministic in `seed`;
+  `get_state()`/`set_state()` resume exactly. `prefetch` > 0 prepares that many batches ahead
+  in one background thread.
+  """
+  per_process = _check_batching(arrays, global_batch_size, process_index, process_count, split)
+  num_rows = next(iter(arrays.values())).shape[0]
+  ds = (grain.MapDataset.range(num_rows)
+        .shuffle(seed=seed)
+        .repeat(None)
+        .batch(global_batch_size, drop_remainder=True)
+        .map(_TakeRows(dict(arrays), process_index * per_process,
+                       (process_index + 1) * per_process)))
+  options = grain.ReadOptions(num_threads=1 if prefetch > 0 else 0,
+                              prefetch_buffer_size=max(prefetch, 0))
+  return iter(ds.to_iter_dataset(options))
+
+
+def iterator_checkpoint_args(iterator: grain.DatasetIterator, restore: bool = False) -> Any:
+  """Orbax args saving (or restoring into) `iterator` with grain's checkpoint handler.
+
+  Use as one item of `ocp.args.Composite(...)`. Grain writes one JSON file per process
+  (`process_{i}-of-{n}.json`), so restore with the same process count.
+  """
+  if restore:
+    return grain.checkpoint.CheckpointRestore(iterator)
+  return grain.checkpoint.CheckpointSave(iterator)
+
+
+def make_eval_batches(arrays: Mapping[str, np.ndarray], global_batch_size: int,
+                      num_batches: int | None, process_index: int = 0, process_count: int = 1,
+                      *, split: str = 'valid') -> list[Arrays]:
+  """The first `num_batches` global batches in order (no shuffle), this process's rows of each.
+
+  Returns fewer batches if the split is short (at least one); None takes all full batches.
+  Each batch is a dict of int32 [global_batch / process_count, seq_len].
+  """
+  per_process = _check_batching(arrays, global_batch_size, process_index, process_count, split)
+  num_rows = next(iter(arrays.values())).shape[0]
+  available = num_rows // global_batch_size
+  count = available if num_batches is None else min(num_batches, available)
+  batches = []
+  for b in range(count):
+    start = b * global_batch_size + process_index * per_process
+    batches.append({k: np.asarray(v[start:start + per_process]) for k, v in arrays.items()})
+  return batches
+

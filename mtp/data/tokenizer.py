@@ -1,0 +1,194 @@
+"""Tokenizers: byte-level BPE (trained with HF `tokenizers`) and a plain byte tokenizer.
+
+Both kinds are Hugging Face `tokenizers` models sharing one id layout for special tokens:
+pad=0, eos=1, bos=2. The byte tokenizer maps byte b to id b + 3 (vocab_size 259); a trained BPE
+tokenizer starts from the same 256-byte alphabet and adds merges, so any text round-trips:
+`decode(encode(x)) == x` (whitespace, indentation and unicode included).
+
+Special-token strings occurring in the text (for example the literal `<eos>` in source code) are
+encoded as ordinary bytes, never as the special id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+import functools
+import pathlib
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+PAD, EOS, BOS = '<pad>', '<eos>', '<bos>'
+SPECIAL_TOKENS = (PAD, EOS, BOS)  # ids 0, 1, 2
+NUM_BYTES = 256
+BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTES  # 259
+FILENAME = 'tokenizer.json'
+
+
+@functools.cache
+def _byte_to_unicode() -> tuple[str, ...]:
+  """GPT-2's printable stand-in for each byte value, as used by the ByteLevel pre-tokenizer."""
+  printable = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1),
+               *range(ord('®'), ord('ÿ') + 1)]
+  chars = {}
+  extra = 0
+  for b in range(NUM_BYTES):
+    if b in printable:
+      chars[b] = chr(b)
+    else:
+      chars[b] = chr(NUM_BYTES + extra)
+      extra += 1
+  return tuple(chars[b] for b in range(NUM_BYTES))
+
+
+def _byte_vocab() -> dict[str, int]:
+  vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+  vocab.update({c: len(SPECIAL_TOKENS) + b for b, c in enumerate(_byte_to_unicode())})
+  return vocab
+
+
+def _configure(tok: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+  """Byte-level pre-tokenizer/decoder, special tokens, literal special strings kept as text."""
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens([tokenizers.AddedToken(s, special=True, normalized=False)
+                          for s in SPECIAL_TOKENS])
+  tok.encode_special_tokens = True
+  return tok
+
+
+class Tokenizer:
+  """A thin wrapper around a HF `tokenizers.Tokenizer` with the project's id conventions."""
+
+  def __init__(self, hf_tokenizer: tokenizers.Tokenizer):
+    self._tok = hf_tokenizer
+    self._tok.encode_special_tokens = True
+    for want, name in enumerate(SPECIAL_TOKENS):
+      got = self._tok.token_to_id(name)
+      if got != want:
+        raise ValueError(f'Tokenizer must map {name!r} to id {want}, got {got}.')
+    self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self._kind = 'byte' if _is_byte_model(self._tok) else 'bpe'
+
+  @property
+  def hf_tokenizer(self) -> tokenizers.Tokenizer:
+    return self._tok
+
+  @property
+  def kind(self) -> str:
+    """'byte' or 'bpe'."""
+    return self._kind
+
+  @property
+  def vocab_size(self) -> int:
+    return self._vocab_size
+
+  @property
+  def pad_id(self) -> int:
+    return 0
+
+  @property
+  def eos_id(self) -> int:
+    return 1
+
+  @property
+  def bos_id(self) -> int:
+    return 2
+
+  def encode(self, text: str) -> list[int]:
+    """Ids of `text`, without bos/eos."""
+    if self._kind == 'byte':  # Same ids as the HF model, ~100x faster.
+      return _encode_bytes(text).tolist()
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """Ids of each text (Rust threads do the work in parallel)."""
+    if self._kind == 'byte':
+      return [_encode_bytes(t).tolist() for t in texts]
+    encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+    return [e.ids for e in encodings]
+
+  def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Like `encode_batch`, as int32 arrays (cheaper for large corpora)."""
+    if self._kind == 'byte':
+      return [_encode_bytes(t) for t in texts]
+    return [np.asarray(ids, np.int32) for ids in self.encode_batch(texts)]
+
+  def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+    """Text of `ids`; pad/bos/eos and ids outside the vocabulary are skipped.
+
+    Invalid UTF-8 (e.g. a multi-byte character cut in half) decodes to U+FFFD.
+    """
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    ids = ids[(ids >= len(SPECIAL_TOKENS)) & (ids < self._vocab_size)]
+    if self._kind == 'byte':
+      data = (ids - len(SPECIAL_TOKENS)).astype(np.uint8).tobytes()
+      return data.decode('utf-8', errors='replace')
+    return self._tok.decode(ids.tolist(), skip_special_tokens=True)
+
+  def save(self, directory: str | pathlib.Path) -> pathlib.Path:
+    """Writes `directory/tokenizer.json` (HF format) and returns its path."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / FILENAME
+    tmp = path.with_suffix('.json.tmp')
+    tmp.write_text(self.to_json(), encoding='utf-8')
+    tmp.replace(path)
+    return path
+
+  def to_json(self) -> str:
+    """The HF `tokenizer.json` contents (also used as a cache key)."""
+    return self._tok.to_str()
+
+  @classmethod
+  def load(cls, directory: str | pathlib.Path) -> Tokenizer:
+    """Reads `directory/tokenizer.json` (or the file itself if given a file path)."""
+    path = pathlib.Path(directory)
+    if path.is_dir():
+      path = path / FILENAME
+    if not path.is_file():
+      raise FileNotFoundError(f'No tokenizer file at {path}.')
+    return cls(tokenizers.Tokenizer.from_file(str(path)))
+
+  def __repr__(self) -> str:
+    return f'Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})'
+
+
+def _encode_bytes(text: str) -> np.ndarray:
+  return np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32) + len(SPECIAL_TOKENS)
+
+
+def _is_byte_model(tok: tokenizers.Tokenizer) -> bool:
+  return (tok.get_vocab_size(with_added_tokens=True) == BYTE_VOCAB_SIZE
+          and tok.get_vocab(with_added_tokens=True) == _byte_vocab())
+
+
+def byte_tokenizer() -> Tokenizer:
+  """pad=0, eos=1, bos=2, byte b -> b + 3: vocab_size 259."""
+  model = models.BPE(vocab=_byte_vocab(), merges=[])
+  return Tokenizer(_configure(tokenizers.Tokenizer(model)))
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2,
+              max_token_length: int | None = 32) -> Tokenizer:
+  """Trains a byte-level BPE tokenizer of at most `vocab_size` ids (specials and bytes included).
+
+  `texts` may be any iterable (a generator keeps memory flat). The result can be smaller than
+  `vocab_size` when the corpus has too few frequent pairs.
+  """
+  if vocab_size < BYTE_VOCAB_SIZE:
+    raise ValueError(f'vocab_size={vocab_size} is too small for a byte-level BPE: it needs at '
+                     f'least {BYTE_VOCAB_SIZE} ids ({len(SPECIAL_TOKENS)} special + '
+                     f'{NUM_BYTES} bytes).')
+  tok = _configure(tokenizers.Tokenizer(models.BPE()))
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      min_frequency=min_frequency,
+      special_tokens=list(SPECIAL_TOKENS),
+      initial_alphabet=list(_byte_to_unicode()),
+      max_token_length=max_token_length,
+      show_progress=False,
+  )
+  tok.train_from_iterator(iter(texts), trainer=trainer)
+  return Tokenizer(tok)

@@ -1,0 +1,99 @@
+"""Tests for mtp.data.tokenizer."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mtp.data import corpora
+from mtp.data import tokenizer as tokenizer_lib
+
+TRICKY = [
+    '',
+    'def f(x):\n\treturn x  # tab\n',
+    '    indented\n        deeper\n\n\n   trailing   \n',
+    'windows\r\nline\r\nendings',
+    'unicode: héllo wörld, 日本語, emoji 🙂, combining e\u0301',
+    'specials as text: <pad> <eos> <bos> <|endoftext|>',
+    '\x00\x01 control \x7f chars \u2028',
+]
+
+
+@pytest.fixture(scope='module')
+def bpe() -> tokenizer_lib.Tokenizer:
+  texts = [corpora.read_text(p) for p in corpora.stdlib_files()[:40]]
+  return tokenizer_lib.train_bpe(iter(texts), vocab_size=600)
+
+
+def test_byte_ids_layout():
+  tok = tokenizer_lib.byte_tokenizer()
+  assert (tok.kind, tok.vocab_size) == ('byte', 259)
+  assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+  text = 'Aé\n'
+  assert tok.encode(text) == [b + 3 for b in text.encode('utf-8')]
+  # The fast path agrees with the HF model that is saved to disk.
+  for t in TRICKY:
+    assert tok.encode(t) == tok.hf_tokenizer.encode(t, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize('text', TRICKY)
+def test_byte_round_trip(text):
+  tok = tokenizer_lib.byte_tokenizer()
+  assert tok.decode(tok.encode(text)) == text
+  assert tok.encode_batch([text, text]) == [tok.encode(text)] * 2
+
+
+def test_decode_skips_special_and_out_of_range_ids(bpe):
+  for tok in (tokenizer_lib.byte_tokenizer(), bpe):
+    ids = [tok.bos_id] + tok.encode('hi') + [tok.eos_id, tok.pad_id, tok.vocab_size + 3]
+    assert tok.decode(ids) == 'hi'
+    assert tok.decode(np.array(ids, np.int32)) == 'hi'
+
+
+def test_bpe_special_ids_and_size(bpe):
+  assert bpe.kind == 'bpe'
+  assert 259 < bpe.vocab_size <= 600
+  assert (bpe.pad_id, bpe.eos_id, bpe.bos_id) == (0, 1, 2)
+  assert [bpe.hf_tokenizer.id_to_token(i) for i in range(3)] == ['<pad>', '<eos>', '<bos>']
+
+
+@pytest.mark.parametrize('text', TRICKY)
+def test_bpe_round_trip(bpe, text):
+  ids = bpe.encode(text)
+  assert all(3 <= i < bpe.vocab_size for i in ids)  # special strings are plain text
+  assert bpe.decode(ids) == text
+  assert bpe.decode([bpe.bos_id] + ids + [bpe.eos_id, bpe.pad_id]) == text
+
+
+def test_bpe_round_trip_unseen_code_and_compresses(bpe):
+  texts = [corpora.read_text(p) for p in corpora.heldout_files()[:5]]
+  batch = bpe.encode_batch(texts)
+  for text, ids in zip(texts, batch):
+    assert ids == bpe.encode(text)
+    assert bpe.decode(ids) == text
+  assert sum(map(len, batch)) < 0.6 * sum(len(t.encode()) for t in texts)
+  arrays = bpe.encode_arrays(texts)
+  assert [a.tolist() for a in arrays] == batch and arrays[0].dtype == np.int32
+
+
+@pytest.mark.parametrize('make', ['byte', 'bpe'])
+def test_save_load(tmp_path, bpe, make):
+  tok = bpe if make == 'bpe' else tokenizer_lib.byte_tokenizer()
+  path = tok.save(tmp_path / 'tk')
+  assert path.name == 'tokenizer.json'
+  assert json.loads(path.read_text())['model']['type'] == 'BPE'  # HF format
+  loaded = tokenizer_lib.Tokenizer.load(tmp_path / 'tk')
+  assert (loaded.kind, loaded.vocab_size) == (tok.kind, tok.vocab_size)
+  for text in TRICKY:
+    assert loaded.encode(text) == tok.encode(text)
+  assert loaded.to_json() == tok.to_json()
+
+
+def test_load_missing(tmp_path):
+  with pytest.raises(FileNotFoundError):
+    tokenizer_lib.Tokenizer.load(tmp_path)
+
+
+def test_vocab_too_small():
+  with pytest.raises(ValueError, match='vocab_size=100 is too small'):
+    tokenizer_lib.train_bpe(['abc'], 100)
