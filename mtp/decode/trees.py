@@ -1,0 +1,338 @@
+"""Static candidate trees for self-speculative decoding.
+
+A tree is given Medusa-style as a list of paths ("choices"): each path is a tuple of top-k
+ranks, one per depth. Path (0, 1) is the node holding the rank-1 candidate of head 2 below the
+node holding the rank-0 candidate of head 1. Node 0 is the root: the last accepted token. The
+whole tree is verified by one trunk forward pass over its N tokens with `attention_mask`.
+
+Trees are static: plain numpy arrays inside a frozen dataclass that hashes by its choices, so a
+`Tree` can be a static argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Callable, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+Path = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tree:
+  """A static candidate tree; nodes in BFS order (by depth, then by path), root = node 0.
+
+  Attributes:
+    choices: the non-root paths in node order (node i + 1 holds choices[i]).
+    num_nodes: N, root included.
+    parent: [N] int32, parent node index, -1 for the root.
+    depth: [N] int32, root 0; node n is drafted by head depth[n] and sits at position offset
+      depth[n] from the root.
+    rank: [N] int32, top-k rank of the node's candidate within its head, -1 for the root.
+    attention_mask: [N, N] bool, node i sees node j iff j is i or an ancestor of i.
+    children: [N, max_children] int32, children in rank order, padded with -1.
+    num_children: [N] int32.
+    node_paths: [N, max_depth + 1] int32, root-first path to each node, padded with -1.
+    leaf_paths: [num_leaves, max_depth + 1] int32, root-first path to each leaf (in node
+      order of the leaves), padded with -1.
+    max_depth: D, the number of heads the tree needs.
+    max_children: largest number of children of a node (at least 1, for array shapes).
+    level_width: [D] tuple, largest number of children of a node at depth d (d = 0..D-1).
+    topk_per_depth: [D] tuple, how many top candidates head d + 1 must provide.
+  """
+  choices: tuple[Path, ...]
+  num_nodes: int
+  parent: np.ndarray
+  depth: np.ndarray
+  rank: np.ndarray
+  attention_mask: np.ndarray
+  children: np.ndarray
+  num_children: np.ndarray
+  node_paths: np.ndarray
+  leaf_paths: np.ndarray
+  max_depth: int
+  max_children: int
+  level_width: tuple[int, ...]
+  topk_per_depth: tuple[int, ...]
+
+  # Equality and hashing by the defining choices keep the tree usable as a jit static argument.
+  def __eq__(self, other):
+    return isinstance(other, Tree) and self.choices == other.choices
+
+  def __hash__(self):
+    return hash(self.choices)
+
+  def __repr__(self):
+    return f'Tree(num_nodes={self.num_nodes}, max_depth={self.max_depth}, choices={self.choices})'
+
+  @property
+  def paths(self) -> np.ndarray:
+    """Alias of `leaf_paths`: [num_leaves, max_depth + 1], root first, padded with -1."""
+    return self.leaf_paths
+
+  @property
+  def num_leaves(self) -> int:
+    return int(self.leaf_paths.shape[0])
+
+  @property
+  def positions(self) -> np.ndarray:
+    """[N] position offsets of the nodes relative to the root (= depth)."""
+    return self.depth
+
+  @property
+  def is_chain(self) -> bool:
+    return all(p == (0,) * len(p) for p in self.choices)
+
+  def check_num_heads(self, num_heads: int) -> None:
+    """Raises ValueError if the tree is deeper than the model has heads."""
+    if self.max_depth > num_heads:
+      raise ValueError(
+          f'tree depth {self.max_depth} exceeds the number of MTP heads {num_heads}: head d '
+          'drafts depth d, so a tree needs at least as many heads as its depth')
+
+
+def _validate_choices(choices: Sequence[Sequence[int]]) -> tuple[Path, ...]:
+  paths = []
+  for c in choices:
+    try:
+      p = tuple(int(r) for r in c)
+    except TypeError:
+      raise ValueError(f'each tree path must be a tuple of ranks, got {c!r}') from None
+    if not p:
+      raise ValueError('tree paths must be non-empty (the root is implicit)')
+    if any(r < 0 for r in p):
+      raise ValueError(f'tree path {p} has a negative rank')
+    paths.append(p)
+  seen = set()
+  for p in paths:
+    if p in seen:
+      raise ValueError(f'tree path {p} appears more than once')
+    seen.add(p)
+  for p in paths:
+    if len(p) > 1 and p[:-1] not in seen:
+      raise ValueError(
+          f'tree paths must be prefix-closed: path {p} is present but its parent {p[:-1]} is not')
+  return tuple(sorted(paths, key=lambda p: (len(p), p)))
+
+
+def tree_from_choices(choices: Sequence[Sequence[int]], num_heads: int | None = None) -> Tree:
+  """Builds a `Tree` from Medusa-style paths of top-k ranks.
+
+  Args:
+    choices: non-root paths, e.g. [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]; must be
+      prefix-closed (every path's parent path is present). Order does not matter.
+    num_heads: if given, the tree depth must not exceed it.
+
+  Returns:
+    The tree, nodes ordered by depth then path (parents precede children).
+  """
+  paths = _validate_choices(choices)
+  all_paths = ((),) + paths
+  index = {p: i for i, p in enumerate(all_paths)}
+  n = len(all_paths)
+  max_depth = max((len(p) for p in paths), default=0)
+
+  parent = np.array([-1] + [index[p[:-1]] for p in paths], np.int32)
+  depth = np.array([len(p) for p in all_paths], np.int32)
+  rank = np.array([-1] + [p[-1] for p in paths], np.int32)
+
+  kids = [[] for _ in range(n)]
+  for i in range(1, n):
+    kids[parent[i]].append(i)  # BFS order sorts siblings by rank already.
+  num_children = np.array([len(k) for k in kids], np.int32)
+  max_children = max(1, int(num_children.max()))
+  children = np.full((n, max_children), -1, np.int32)
+  for i, k in enumerate(kids):
+    children[i, :len(k)] = k
+
+  node_paths = np.full((n, max_depth + 1), -1, np.int32)
+  attention_mask = np.zeros((n, n), bool)
+  for i, p in enumerate(all_paths):
+    anc = [index[p[:j]] for j in range(len(p) + 1)]
+    node_paths[i, :len(anc)] = anc
+    attention_mask[i, anc] = True
+  leaves = [i for i in range(n) if num_children[i] == 0]
+  leaf_paths = node_paths[leaves]
+
+  level_width = tuple(int(num_children[depth == d].max()) for d in range(max_depth))
+  topk_per_depth = tuple(
+      int(rank[depth == d].max()) + 1 for d in range(1, max_depth + 1))
+
+  for a in (parent, depth, rank, attention_mask, children, num_children, node_paths, leaf_paths):
+    a.flags.writeable = False  # Shared static structure: keep it immutable.
+  tree = Tree(
+      choices=paths, num_nodes=n, parent=parent, depth=depth, rank=rank,
+      attention_mask=attention_mask, children=children, num_children=num_children,
+      node_paths=node_paths, leaf_paths=leaf_paths, max_depth=max_depth,
+      max_children=max_children, level_width=level_width, topk_per_depth=topk_per_depth)
+  if num_heads is not None:
+    tree.check_num_heads(num_heads)
+  return tree
+
+
+def chain_tree(k: int) -> Tree:
+  """The chain of top-1 drafts of depth k: root -> (0,) -> (0, 0) -> ...; N = k + 1."""
+  if k < 0:
+    raise ValueError(f'chain length must be >= 0, got {k}')
+  return tree_from_choices([(0,) * d for d in range(1, k + 1)])
+
+
+# 24 nodes (root included), depth 4, top-5 at head 1. Built by `tree_from_accuracies(
+# _MEDUSA_DEFAULT_ACCURACIES, 24)` (a test checks it) from a typical profile of heads' top-k
+# accuracies, each given that the earlier drafts were right. On a memory-bound accelerator a
+# 24-token verification costs little more than one token; on CPU prefer `choose_tree_size`.
+_MEDUSA_DEFAULT_ACCURACIES = (
+    (0.65, 0.12, 0.05, 0.03, 0.02),
+    (0.60, 0.12, 0.05, 0.03, 0.02),
+    (0.55, 0.11, 0.05, 0.03, 0.02),
+    (0.50, 0.10, 0.05, 0.03, 0.02),
+)
+_MEDUSA_DEFAULT_CHOICES = (
+    (0,), (1,), (2,), (3,), (4,),
+    (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (2, 0), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 2, 0), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
+)
+
+
+def medusa_default_tree(num_heads: int | None = None) -> Tree:
+  """A 24-node default static tree of depth 4; with num_heads < 4 it is cut to that depth."""
+  choices = _MEDUSA_DEFAULT_CHOICES
+  if num_heads is not None:
+    if num_heads < 1:
+      raise ValueError(f'num_heads must be >= 1, got {num_heads}')
+    choices = tuple(p for p in choices if len(p) <= num_heads)
+  return tree_from_choices(choices, num_heads=num_heads)
+
+
+def _check_accuracies(accuracies) -> np.ndarray:
+  acc = np.asarray(accuracies, np.float64)
+  if acc.ndim != 2 or acc.shape[0] < 1 or acc.shape[1] < 1:
+    raise ValueError(f'accuracies must have shape [num_heads, topk], got {acc.shape}')
+  if not np.all((acc >= 0) & (acc <= 1)):
+    raise ValueError('accuracies must lie in [0, 1]')
+  return acc
+
+
+def tree_from_accuracies(accuracies, num_nodes: int) -> Tree:
+  """Best tree of num_nodes nodes under independent per-head accuracies (Medusa's construction).
+
+  A node's score is the product of accuracies[d, r] along its path: the probability it is
+  accepted if heads are right independently (exact when accuracies[d] is measured given that
+  the earlier tokens were right, as on teacher-forced data; marginal accuracies of later heads
+  understate deep paths). Best-first selection of the num_nodes - 1 highest
+  scores maximises the expected accepted length; it is prefix-closed because a child never
+  scores more than its parent and ties go to shorter, then lexicographically smaller, paths.
+
+  Args:
+    accuracies: [D, R], accuracies[d, r] = P(rank-r candidate of head d + 1 is the next token).
+    num_nodes: N, root included; must be between 1 and the number of possible nodes.
+
+  Returns:
+    The tree.
+  """
+  acc = _check_accuracies(accuracies)
+  d_max, r_max = acc.shape
+  total = sum(r_max ** d for d in range(1, d_max + 1))
+  if not 1 <= num_nodes <= total + 1:
+    raise ValueError(f'num_nodes must be in [1, {total + 1}] for accuracies of shape '
+                     f'{acc.shape}, got {num_nodes}')
+  # Heap of (-score, depth, path): deterministic ties, parents before children.
+  heap = [(-acc[0, r], 1, (r,)) for r in range(r_max)]
+  heapq.heapify(heap)
+  chosen = []
+  while len(chosen) < num_nodes - 1:
+    neg, d, p = heapq.heappop(heap)
+    chosen.append(p)
+    if d < d_max:
+      for r in range(r_max):
+        heapq.heappush(heap, (neg * acc[d, r], d + 1, p + (r,)))
+  return tree_from_choices(chosen)
+
+
+def expected_accepted_length(tree: Tree, accuracies) -> float:
+  """Expected number of accepted drafts per step (excluding the always-emitted next token).
+
+  Sum over non-root nodes of the product of accuracies along the path; tokens per step is one
+  more. Assumes heads are right independently (the same model as `tree_from_accuracies`).
+  """
+  acc = _check_accuracies(accuracies)
+  if tree.max_depth > acc.shape[0] or any(
+      k > acc.shape[1] for k in tree.topk_per_depth):
+    raise ValueError(f'tree needs top-k {tree.topk_per_depth} per head, accuracies have shape '
+                     f'{acc.shape}')
+  score = np.ones(tree.num_nodes)
+  for n in range(1, tree.num_nodes):  # Parents precede children.
+    score[n] = score[tree.parent[n]] * acc[tree.depth[n] - 1, tree.rank[n]]
+  return float(score[1:].sum())
+
+
+def choose_tree_size(accuracies,
+                     cost_per_num_tokens: Mapping[int, float] | Callable[[int], float],
+                     candidates: Sequence[int]) -> int:
+  """Picks num_nodes maximising (1 + expected accepted drafts) / cost(num_nodes).
+
+  Args:
+    accuracies: [D, R] per-head top-k accuracies, as for `tree_from_accuracies`.
+    cost_per_num_tokens: cost of a verification forward over T tokens relative to T = 1, as a
+      callable or a dict {T: cost}; a dict is interpolated linearly between its keys (it must
+      cover every candidate).
+    candidates: tree sizes N (root included; a forward verifies N tokens) to consider.
+
+  Returns:
+    The best candidate; ties go to the smaller tree.
+  """
+  if not candidates:
+    raise ValueError('candidates must not be empty')
+  if callable(cost_per_num_tokens):
+    cost = cost_per_num_tokens
+  else:
+    ks = np.array(sorted(cost_per_num_tokens), np.float64)
+    vs = np.array([cost_per_num_tokens[k] for k in sorted(cost_per_num_tokens)], np.float64)
+
+    def cost(t):
+      if not ks[0] <= t <= ks[-1]:
+        raise ValueError(f'cost_per_num_tokens covers T in [{ks[0]:g}, {ks[-1]:g}], '
+                         f'cannot price a tree of {t} tokens')
+      return float(np.interp(t, ks, vs))
+
+  best, best_value = None, -np.inf
+  for n in sorted(set(int(c) for c in candidates)):
+    tree = tree_from_accuracies(accuracies, n)
+    c = float(cost(n))
+    if not c > 0:
+      raise ValueError(f'cost of {n} tokens must be positive, got {c}')
+    value = (1.0 + expected_accepted_length(tree, accuracies)) / c
+    if value > best_value * (1 + 1e-12):
+      best, best_value = n, value
+  return best
+
+
+def draft_tokens_for_tree(tree: Tree, head_topk_tokens: jnp.ndarray,
+                          root_token: jnp.ndarray | None = None) -> jnp.ndarray:
+  """Lays the heads' top-k candidates out on the tree's nodes.
+
+  Args:
+    tree: the candidate tree.
+    head_topk_tokens: [B, D', R] int, head_topk_tokens[:, d, r] = rank-r candidate of head
+      d + 1; needs D' >= tree.max_depth and R >= the tree's largest rank + 1.
+    root_token: optional [B] last accepted token for node 0 (zeros otherwise: the caller fills
+      it).
+
+  Returns:
+    node_tokens: [B, N]; node n > 0 holds head_topk_tokens[:, depth[n] - 1, rank[n]].
+  """
+  b, d, r = head_topk_tokens.shape
+  tree.check_num_heads(d)
+  if tree.topk_per_depth and max(tree.topk_per_depth) > r:
+    raise ValueError(f'tree needs top-{max(tree.topk_per_depth)} candidates, heads provide {r}')
+  # Static numpy indices: a single gather, no per-node work.
+  drafts = head_topk_tokens[:, tree.depth[1:] - 1, tree.rank[1:]]
+  if root_token is None:
+    root = jnp.zeros((b, 1), head_topk_tokens.dtype)
+  else:
+    root = jnp.asarray(root_token, head_topk_tokens.dtype).reshape(b, 1)
+  return jnp.concatenate([root, drafts], axis=1)

@@ -1,0 +1,198 @@
+"""Tests for mtp.decode.trees."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.decode import trees
+
+EXAMPLE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def _brute_mask(parent):
+  n = len(parent)
+  mask = np.zeros((n, n), bool)
+  for i in range(n):
+    j = i
+    while j >= 0:
+      mask[i, j] = True
+      j = parent[j]
+  return mask
+
+
+def test_example_tree_structure():
+  t = trees.tree_from_choices(EXAMPLE)
+  assert t.num_nodes == 7 and t.max_depth == 3
+  assert t.choices == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+  np.testing.assert_array_equal(t.parent, [-1, 0, 0, 1, 1, 2, 3])
+  np.testing.assert_array_equal(t.depth, [0, 1, 1, 2, 2, 2, 3])
+  np.testing.assert_array_equal(t.rank, [-1, 0, 1, 0, 1, 0, 0])
+  np.testing.assert_array_equal(
+      t.children, [[1, 2], [3, 4], [5, -1], [6, -1], [-1, -1], [-1, -1], [-1, -1]])
+  np.testing.assert_array_equal(t.num_children, [2, 2, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(t.leaf_paths, [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]])
+  np.testing.assert_array_equal(t.paths, t.leaf_paths)
+  np.testing.assert_array_equal(t.node_paths[6], [0, 1, 3, 6])
+  np.testing.assert_array_equal(t.node_paths[2], [0, 2, -1, -1])
+  np.testing.assert_array_equal(t.attention_mask, _brute_mask(t.parent))
+  assert t.attention_mask[6].tolist() == [True, True, False, True, False, False, True]
+  assert t.level_width == (2, 2, 1)
+  assert t.topk_per_depth == (2, 2, 1)
+  assert not t.is_chain
+
+
+def test_bfs_order_parents_precede_children():
+  t = trees.medusa_default_tree()
+  assert np.all(t.parent[1:] < np.arange(1, t.num_nodes))
+  assert np.all(np.diff(t.depth) >= 0)
+  np.testing.assert_array_equal(t.attention_mask, _brute_mask(t.parent))
+  all_paths = ((),) + t.choices
+  for n in range(1, t.num_nodes):  # Node n holds its parent's path plus its own rank.
+    assert all_paths[n] == all_paths[t.parent[n]] + (t.rank[n],)
+    assert len(all_paths[n]) == t.depth[n]
+
+
+def test_order_of_choices_does_not_matter_and_hash():
+  a = trees.tree_from_choices(EXAMPLE)
+  b = trees.tree_from_choices(list(reversed(EXAMPLE)))
+  assert a == b and hash(a) == hash(b)
+  assert a != trees.chain_tree(3)
+  with pytest.raises(ValueError):
+    a.parent[0] = 3  # Static structure is read-only.
+
+
+def test_tree_is_jit_static():
+  t = trees.tree_from_choices(EXAMPLE)
+  f = jax.jit(lambda tree, x: x + tree.num_nodes + jnp.asarray(tree.depth).sum(),
+              static_argnums=0)
+  assert int(f(t, 1)) == 1 + 7 + 11
+
+
+def test_not_prefix_closed():
+  with pytest.raises(ValueError, match=r'prefix-closed.*\(0, 1, 0\).*\(0, 1\)'):
+    trees.tree_from_choices([(0,), (0, 0), (0, 1, 0)])
+  with pytest.raises(ValueError, match='prefix-closed'):
+    trees.tree_from_choices([(1, 0)])
+
+
+def test_bad_paths():
+  with pytest.raises(ValueError, match='more than once'):
+    trees.tree_from_choices([(0,), (0,)])
+  with pytest.raises(ValueError, match='negative'):
+    trees.tree_from_choices([(-1,)])
+  with pytest.raises(ValueError, match='non-empty'):
+    trees.tree_from_choices([()])
+
+
+def test_too_deep():
+  with pytest.raises(ValueError, match=r'depth 3 exceeds the number of MTP heads 2'):
+    trees.tree_from_choices(EXAMPLE, num_heads=2)
+  trees.tree_from_choices(EXAMPLE, num_heads=3)
+  with pytest.raises(ValueError, match=r'depth 4 .* heads 3'):
+    trees.medusa_default_tree().check_num_heads(3)
+
+
+def test_chain_tree():
+  t = trees.chain_tree(4)
+  assert t.num_nodes == 5 and t.max_depth == 4 and t.is_chain
+  np.testing.assert_array_equal(t.parent, [-1, 0, 1, 2, 3])
+  np.testing.assert_array_equal(t.depth, np.arange(5))
+  np.testing.assert_array_equal(t.rank, [-1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(t.attention_mask, np.tril(np.ones((5, 5), bool)))
+  np.testing.assert_array_equal(t.children[:, 0], [1, 2, 3, 4, -1])
+  np.testing.assert_array_equal(t.leaf_paths, [[0, 1, 2, 3, 4]])
+  assert trees.chain_tree(0).num_nodes == 1
+  assert t == trees.tree_from_choices([(0, 0, 0), (0,), (0, 0, 0, 0), (0, 0)])
+
+
+def test_medusa_default_tree():
+  t = trees.medusa_default_tree()
+  assert t.num_nodes == 24 and t.max_depth == 4
+  # The literal list is what the documented construction gives.
+  assert t == trees.tree_from_accuracies(trees._MEDUSA_DEFAULT_ACCURACIES, 24)
+  t3 = trees.medusa_default_tree(num_heads=3)
+  assert t3.max_depth == 3 and t3.num_nodes < 24
+  assert trees.medusa_default_tree(num_heads=1).choices == ((0,), (1,), (2,), (3,), (4,))
+
+
+def test_tree_from_accuracies_obvious():
+  chain = trees.tree_from_accuracies([[0.9, 0.05], [0.8, 0.1], [0.5, 0.2]], 4)
+  assert chain == trees.chain_tree(3)
+  wide = trees.tree_from_accuracies([[0.5, 0.4], [0.3, 0.1]], 4)
+  assert wide.choices == ((0,), (1,), (0, 0))
+  # Ties are broken deterministically (shorter, then smaller paths).
+  tie = trees.tree_from_accuracies([[0.5, 0.5], [1.0, 1.0]], 3)
+  assert tie.choices == ((0,), (1,))
+  assert trees.tree_from_accuracies([[0.5]], 1).num_nodes == 1
+  with pytest.raises(ValueError, match='num_nodes'):
+    trees.tree_from_accuracies([[0.5, 0.4]], 4)
+  with pytest.raises(ValueError, match=r'\[0, 1\]'):
+    trees.tree_from_accuracies([[1.5]], 2)
+
+
+def _all_paths(d, r):
+  return [p for k in range(1, d + 1) for p in itertools.product(range(r), repeat=k)]
+
+
+def test_tree_from_accuracies_is_optimal():
+  rng = np.random.default_rng(0)
+  paths = _all_paths(2, 3)
+  for _ in range(3):
+    acc = rng.dirichlet(np.ones(4), size=2)[:, :3]
+    for n in (2, 4, 6, 9):
+      best = 0.0
+      for subset in itertools.combinations(paths, n - 1):
+        s = set(subset)
+        if all(len(p) == 1 or p[:-1] in s for p in subset):
+          best = max(best, trees.expected_accepted_length(trees.tree_from_choices(subset), acc))
+      got = trees.expected_accepted_length(trees.tree_from_accuracies(acc, n), acc)
+      assert got == pytest.approx(best, rel=1e-12)
+
+
+def test_expected_accepted_length():
+  acc = [[0.8, 0.1], [0.5, 0.2], [0.5, 0.3]]
+  assert trees.expected_accepted_length(trees.chain_tree(3), acc) == pytest.approx(
+      0.8 + 0.4 + 0.2)
+  t = trees.tree_from_choices([(0,), (1,), (1, 1)])
+  assert trees.expected_accepted_length(t, acc) == pytest.approx(0.8 + 0.1 + 0.02)
+  assert trees.expected_accepted_length(trees.chain_tree(0), acc) == 0.0
+  with pytest.raises(ValueError, match='top-k'):
+    trees.expected_accepted_length(trees.chain_tree(4), acc)
+
+
+def test_choose_tree_size():
+  acc = [[0.9, 0.05], [0.8, 0.1], [0.7, 0.1]]
+  # Free verification: the biggest tree wins. Linear cost: speculation cannot pay off.
+  assert trees.choose_tree_size(acc, lambda t: 1.0, [1, 2, 4, 8]) == 8
+  assert trees.choose_tree_size(acc, lambda t: float(t), [1, 2, 4, 8]) == 1
+  # Chain of 3 drafts: (1 + .9 + .72 + .504) / 1.3 beats 1 / 1 and 1.9 / 1.25.
+  cost = {1: 1.0, 2: 1.25, 4: 1.3, 16: 3.0}
+  assert trees.choose_tree_size(acc, cost, [1, 2, 4]) == 4
+  assert trees.choose_tree_size(acc, cost, [3]) == 3  # Interpolated.
+  with pytest.raises(ValueError, match='cannot price'):
+    trees.choose_tree_size(acc, {2: 1.25, 4: 1.3}, [1, 2])
+  with pytest.raises(ValueError, match='empty'):
+    trees.choose_tree_size(acc, cost, [])
+
+
+def test_draft_tokens_for_tree():
+  t = trees.tree_from_choices(EXAMPLE)
+  b, d, r = 3, 3, 2
+  topk = jnp.arange(b * d * r, dtype=jnp.int32).reshape(b, d, r)
+  got = jax.jit(trees.draft_tokens_for_tree, static_argnums=0)(t, topk)
+  assert got.shape == (b, 7) and got.dtype == jnp.int32
+  for n in range(1, 7):
+    np.testing.assert_array_equal(got[:, n], topk[:, t.depth[n] - 1, t.rank[n]])
+  np.testing.assert_array_equal(got[:, 0], 0)
+  root = jnp.array([7, 8, 9])
+  np.testing.assert_array_equal(trees.draft_tokens_for_tree(t, topk, root)[:, 0], root)
+  # More heads and ranks than the tree needs are fine.
+  big = jnp.zeros((b, 5, 4), jnp.int32)
+  assert trees.draft_tokens_for_tree(t, big).shape == (b, 7)
+  with pytest.raises(ValueError, match='heads 2'):
+    trees.draft_tokens_for_tree(t, topk[:, :2])
+  with pytest.raises(ValueError, match='top-2'):
+    trees.draft_tokens_for_tree(t, topk[:, :, :1])
