@@ -1,0 +1,69 @@
+"""Optimizer: AdamW with warm-up and cosine decay, clipping, and the three training modes.
+
+* `joint`: trunk and heads trained together from scratch.
+* `frozen_trunk` (Medusa-1): only the heads learn; the trunk's updates are exactly zero.
+* `finetune` (Medusa-2): trunk and heads learn together, heads at `head_lr_multiplier` times
+  the trunk's learning rate.
+Norm scales and biases are not weight-decayed.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+MODES = ('joint', 'frozen_trunk', 'finetune')
+
+
+def validate(optim_config, num_train_steps: int) -> None:
+  if optim_config.mode not in MODES:
+    raise ValueError(f'Unknown optim.mode {optim_config.mode!r}; expected one of '
+                     f'{", ".join(MODES)}.')
+  if optim_config.learning_rate <= 0:
+    raise ValueError(f'optim.learning_rate must be positive, got {optim_config.learning_rate}.')
+  if optim_config.head_lr_multiplier <= 0:
+    raise ValueError('optim.head_lr_multiplier must be positive, got '
+                     f'{optim_config.head_lr_multiplier}.')
+  if optim_config.warmup_steps < 0:
+    raise ValueError(f'optim.warmup_steps must be >= 0, got {optim_config.warmup_steps}.')
+  if num_train_steps <= 0:
+    raise ValueError(f'num_train_steps must be positive, got {num_train_steps}.')
+
+
+def learning_rate_schedule(optim_config, num_train_steps: int, peak: float) -> optax.Schedule:
+  """Linear warm-up to `peak`, then cosine decay to end_lr_fraction * peak."""
+  warmup = min(optim_config.warmup_steps, max(num_train_steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak, warmup_steps=warmup,
+      decay_steps=max(num_train_steps, warmup + 1),
+      end_value=peak * optim_config.end_lr_fraction)
+
+
+def param_groups(params: nnx.State) -> nnx.State:
+  """'heads' for parameters under the model's `heads` attribute, 'trunk' for the rest."""
+  def label(path, _):
+    return 'heads' if path and getattr(path[0], 'key', path[0]) == 'heads' else 'trunk'
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _decay_mask(params):
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(optim_config, num_train_steps: int, params: nnx.State
+                   ) -> optax.GradientTransformation:
+  """The optimizer for `params` (used only for its tree structure and group labels)."""
+  validate(optim_config, num_train_steps)
+  lr = optim_config.learning_rate
+
+  def adamw(peak):
+    return optax.adamw(learning_rate_schedule(optim_config, num_train_steps, peak),
+                       b1=optim_config.b1, b2=optim_config.b2,
+                       weight_decay=optim_config.weight_decay, mask=_decay_mask)
+
+  trunk = optax.set_to_zero() if optim_config.mode == 'frozen_trunk' else adamw(lr)
+  heads = adamw(lr * optim_config.head_lr_multiplier)
+  return optax.chain(
+      optax.clip_by_global_norm(optim_config.grad_clip_norm),
+      optax.multi_transform({'trunk': trunk, 'heads': heads}, param_groups(params)))

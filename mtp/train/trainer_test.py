@@ -1,0 +1,182 @@
+"""Training: heads learn their offsets, frozen trunk, sharded step, exact resume, bad input."""
+
+import os
+import pathlib
+import shutil
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import tiny
+from mtp.checkpoint import checkpointing
+from mtp.parallel import mesh as mesh_lib
+from mtp.train import trainer as trainer_lib
+from mtp.train import writers
+
+
+def _config(**overrides):
+  c = tiny.get_config()
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
+  for key, value in overrides.items():
+    target = c
+    *parents, leaf = key.split('.')
+    for p in parents:
+      target = target[p]
+    target[leaf] = value
+  return c
+
+
+def _counting_batch(batch_size, seq_len, vocab, seed):
+  """Rows counting up modulo `vocab` from random starts: token t+j is token t plus j."""
+  starts = np.random.default_rng(seed).integers(0, vocab, (batch_size, 1))
+  tokens = (starts + np.arange(seq_len)) % vocab
+  return {'tokens': tokens.astype(np.int32),
+          'segment_ids': np.ones((batch_size, seq_len), np.int32),
+          'positions': np.broadcast_to(np.arange(seq_len), (batch_size, seq_len)).astype(np.int32)}
+
+
+def _single_device_mesh():
+  return mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=1))
+
+
+@pytest.mark.parametrize('head_type', ['medusa', 'parallel', 'sequential'])
+def test_head_k_learns_token_t_plus_1_plus_k(head_type):
+  config = _config(**{'model.mtp_head_type': head_type, 'model.vocab_size': 32,
+                      'num_train_steps': 120, 'optim.warmup_steps': 10,
+                      'optim.learning_rate': 1e-2})
+  trainer = trainer_lib.Trainer(config, _single_device_mesh())
+  state = trainer.init_state()
+  for step in range(config.num_train_steps):
+    batch = mesh_lib.shard_batch(_counting_batch(8, 32, 32, step), trainer.mesh)
+    state, metrics = trainer.train_step(state, batch)
+  metrics = trainer.evaluate(state.params, [_counting_batch(8, 32, 32, 10_000)])
+  for k in (1, 2, 3):
+    assert metrics[f'head_{k}_acc'] > 0.95, (k, metrics)
+  assert metrics['ntp_acc'] > 0.95
+
+
+def test_frozen_trunk_stays_bit_identical_while_heads_learn():
+  config = _config(**{'optim.mode': 'frozen_trunk', 'model.mtp_head_type': 'parallel'})
+  trainer = trainer_lib.Trainer(config, _single_device_mesh())
+  state = trainer.init_state()
+  before = jax.device_get(state.params)
+  for step in range(3):
+    state, _ = trainer.train_step(state, mesh_lib.shard_batch(_counting_batch(8, 64, 264, step),
+                                                              trainer.mesh))
+  after = jax.device_get(state.params)
+  flat_before = dict(nnx.to_flat_state(before))
+  flat_after = dict(nnx.to_flat_state(after))
+  changed_heads = 0
+  for path, value in flat_before.items():
+    if path[0] == 'heads':
+      changed_heads += not np.array_equal(value[...], flat_after[path][...])
+    else:
+      np.testing.assert_array_equal(value[...], flat_after[path][...], err_msg=str(path))
+  assert changed_heads > 0
+
+
+def test_sharded_step_on_a_2x2x2_mesh_matches_one_device():
+  assert jax.device_count() >= 8, 'conftest.py asks for 8 simulated devices'
+  config = _config(**{'model.mtp_head_type': 'parallel'})
+  batches = [_counting_batch(8, 64, 264, s) for s in range(2)]
+  results = []
+  for mesh in (_single_device_mesh(), mesh_lib.make_mesh(dict(data=2, fsdp=2, tensor=2))):
+    trainer = trainer_lib.Trainer(config, mesh)
+    state = trainer.init_state()
+    for batch in batches:
+      state, metrics = trainer.train_step(state, mesh_lib.shard_batch(batch, mesh))
+    results.append((jax.device_get(metrics), jax.device_get(state.params), state))
+  (m1, p1, _), (m8, p8, sharded_state) = results
+  np.testing.assert_allclose(m1['loss'], m8['loss'], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), p1, p8)
+  # The parameters really are spread over the mesh.
+  kernel = sharded_state.params['trunk']['blocks'][0]['mlp']['gate']['kernel'][...]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor')
+
+
+def _losses(workdir):
+  return {r['step']: r['loss'] for r in writers.read_metrics(workdir) if 'loss' in r}
+
+
+def test_resume_after_sigterm_is_exact(tmp_path):
+  overrides = {'num_train_steps': 8, 'log_every_steps': 1, 'eval_steps': 0,
+               'checkpoint_every_steps': 100}
+  straight = tmp_path / 'straight'
+  trainer_lib.train_and_evaluate(_config(**overrides), straight)
+
+  interrupted = tmp_path / 'interrupted'
+
+  def preempt_at_step_4(metrics):
+    if metrics['step'] == 4:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  trainer_lib.train_and_evaluate(_config(**overrides), interrupted, on_metrics=preempt_at_step_4)
+  assert checkpointing.Checkpointer(interrupted, read_only=True).all_steps() == [4]
+  assert max(_losses(interrupted)) == 4
+  trainer_lib.train_and_evaluate(_config(**overrides), interrupted)
+  expected, got = _losses(straight), _losses(interrupted)
+  assert sorted(got) == list(range(1, 9))
+  for step in range(1, 9):
+    assert got[step] == expected[step], (step, got[step], expected[step])
+
+
+@pytest.fixture(scope='module')
+def trained_workdir(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('trained')
+  trainer_lib.train_and_evaluate(_config(**{'num_train_steps': 2, 'eval_steps': 1}), workdir)
+  return workdir
+
+
+def test_corrupt_checkpoint_is_named_and_left_untouched(trained_workdir, tmp_path):
+  workdir = tmp_path / 'corrupt'
+  shutil.copytree(trained_workdir, workdir)
+  step_dir = workdir / 'checkpoints' / '2'
+  for f in (step_dir / 'params').rglob('*'):
+    if f.is_file() and f.stat().st_size > 0:
+      f.write_bytes(b'garbage')
+  before = sorted((p.relative_to(workdir), p.stat().st_mtime_ns) for p in step_dir.rglob('*'))
+  with pytest.raises(checkpointing.CheckpointError, match=str(step_dir)):
+    trainer_lib.train_and_evaluate(_config(**{'num_train_steps': 4}), workdir)
+  after = sorted((p.relative_to(workdir), p.stat().st_mtime_ns) for p in step_dir.rglob('*'))
+  assert before == after
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'model.vocab_size': 512}, 'does not match the existing workdir'),
+    ({'data.tokenizer': 'bpe'}, 'data.tokenizer'),
+])
+def test_workdir_mismatch_is_named(trained_workdir, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    trainer_lib.train_and_evaluate(_config(**overrides), trained_workdir)
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_is_named(tmp_path):
+  with pytest.raises(ValueError, match='vocabulary does not match'):
+    trainer_lib.train_and_evaluate(_config(**{'model.vocab_size': 200}), tmp_path)
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'model.mtp_head_type': 'eagle'}, "Unknown model.mtp_head_type 'eagle'"),
+    ({'model.mtp_num_heads': -2}, 'mtp_num_heads must be >= 0'),
+    ({'data.seq_len': 512}, r'exceeds the model\'s maximum sequence length'),
+    ({'optim.mode': 'medusa3'}, "Unknown optim.mode 'medusa3'"),
+    ({'data.batch_size': 6, 'mesh.data': 4}, 'divisible by the mesh'),
+    ({'mtp_loss_scaling_factor': -1.0}, 'mtp_loss_scaling_factor'),
+])
+def test_bad_config_is_named_before_compiling(tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    trainer_lib.train_and_evaluate(_config(**overrides), tmp_path)
+  assert not (tmp_path / 'checkpoints').exists()
+
+
+@pytest.mark.parametrize('corpus', ['missing', 'empty'])
+def test_missing_or_empty_corpus_is_named(tmp_path, corpus):
+  directory = tmp_path / corpus
+  if corpus == 'empty':
+    directory.mkdir()
+  with pytest.raises(ValueError, match=str(directory)):
+    trainer_lib.train_and_evaluate(_config(**{'data.corpus': str(directory)}), tmp_path / 'w')

@@ -1,0 +1,69 @@
+"""Where training metrics go: metrics.jsonl, TensorBoard event files and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import tqdm
+from tensorboardX import SummaryWriter
+
+METRICS_FILENAME = 'metrics.jsonl'
+
+
+def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+  """All records of workdir/metrics.jsonl in order."""
+  path = pathlib.Path(workdir) / METRICS_FILENAME
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricWriter:
+  """Writes metric records (dicts with a 'step') from process 0 only.
+
+  On resume, records past the restored step (logged after the last checkpoint of an interrupted
+  run) are dropped, so metrics.jsonl reads as one uninterrupted run.
+  """
+
+  def __init__(self, workdir: str | pathlib.Path, *, resume_from_step: int = 0,
+               progress_total: int = 0, initial: int = 0, show_progress: bool = True):
+    self._active = jax.process_index() == 0
+    self._path = pathlib.Path(workdir) / METRICS_FILENAME
+    self._file = self._tb = self._bar = None
+    if not self._active:
+      return
+    kept = [r for r in read_metrics(workdir) if r.get('step', 0) <= resume_from_step]
+    tmp = self._path.with_suffix('.tmp')
+    tmp.write_text(''.join(json.dumps(r) + '\n' for r in kept))
+    tmp.replace(self._path)
+    self._file = self._path.open('a')
+    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
+    if show_progress:
+      self._bar = tqdm.tqdm(total=progress_total, initial=initial, unit='step',
+                            dynamic_ncols=True)
+
+  def write(self, record: dict) -> None:
+    if not self._active:
+      return
+    self._file.write(json.dumps(record) + '\n')
+    self._file.flush()
+    step = record['step']
+    for key, value in record.items():
+      if key != 'step':
+        self._tb.add_scalar(key, value, step)
+    if self._bar is not None and 'loss' in record:
+      self._bar.set_postfix(loss=f"{record['loss']:.3f}", ntp=f"{record['ntp_loss']:.3f}",
+                            tok_s=f"{record['tokens_per_sec']:,.0f}")
+
+  def advance(self) -> None:
+    if self._bar is not None:
+      self._bar.update(1)
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._tb.close()
+    if self._bar is not None:
+      self._bar.close()
