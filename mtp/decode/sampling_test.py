@@ -159,6 +159,43 @@ def test_top_k_and_top_p():
   np.testing.assert_allclose(out.sum(-1), 1.0, rtol=1e-5)
 
 
+def _reference_mask(logits, top_k, top_p):
+  """Kept tokens by sorting in numpy (float64): top-k, then top-p on the renormalised rest."""
+  keep = np.ones(logits.shape, bool)
+  if top_k:
+    kth = -np.sort(-logits, -1)[..., top_k - 1:top_k]
+    keep &= logits >= kth
+  if top_p < 1:
+    x = np.where(keep, logits.astype(np.float64), -np.inf)
+    order = np.argsort(-x, -1, kind='stable')
+    probs = np.exp(x - x.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    sorted_p = np.take_along_axis(probs, order, -1)
+    num_keep = np.sum(np.cumsum(sorted_p, -1) - sorted_p < top_p, -1, keepdims=True)
+    last = np.take_along_axis(np.take_along_axis(x, order, -1), num_keep - 1, -1)
+    keep &= x >= last
+  return keep
+
+
+@pytest.mark.parametrize('top_k,top_p,vocab', [
+    (7, 1.0, 100), (0, 0.999, 100), (40, 0.5, 100), (0, 0.9, 1000), (300, 0.95, 1000)])
+def test_top_k_top_p_match_sorting_reference(top_k, top_p, vocab):
+  rng = np.random.default_rng(top_k + vocab)
+  # Rounded logits make ties; -inf entries (masked vocabulary) and negatives included.
+  scale = np.where(np.arange(64) % 2 == 0, 0.3, 4.0)[:, None]  # Flat and peaked rows.
+  logits = np.round(rng.normal(size=(64, vocab)) * scale, 1).astype(np.float32)
+  logits[:, -3:] = -np.inf
+  logits[:4] = np.linspace(-5, 5, vocab, dtype=np.float32)[::-1]  # Sorted rows: no ties.
+  got = np.asarray(_target_probs(logits, 1.0, top_k, top_p)) > 0
+  np.testing.assert_array_equal(got, _reference_mask(logits, top_k, top_p))
+  if vocab > sampling._TOP_P_CANDIDATES and top_p < 1 and top_k == 0:
+    # Peaked rows alone: every nucleus fits in the candidates (the branch without bisection).
+    peaked = logits[1::2]
+    got = np.asarray(_target_probs(peaked, 1.0, top_k, top_p)) > 0
+    assert got.sum(-1).max() < sampling._TOP_P_CANDIDATES
+    np.testing.assert_array_equal(got, _reference_mask(peaked, top_k, top_p))
+
+
 def test_sample_tokens():
   logits = np.random.default_rng(0).normal(size=(6, 9)).astype(np.float32)
   greedy = jax.jit(sampling.sample_tokens, static_argnums=2)(_key(1), logits, 0.0)
@@ -498,7 +535,7 @@ def test_rejection_tree_sampled_candidates_matches_target():
 
 def test_rejection_tree_outputs():
   t = trees.medusa_default_tree()
-  b, v = 64, 11
+  b, v = 32, 11
   rng = np.random.default_rng(0)
   probs = _dist(rng, (b, t.num_nodes, v), 2.0).astype(np.float32)
   tokens = rng.integers(0, v, (b, t.num_nodes)).astype(np.int32)
