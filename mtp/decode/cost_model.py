@@ -1,0 +1,203 @@
+"""How much one verification pass of T tokens costs next to T = 1, on the hardware in use.
+
+Speculative decoding pays one forward pass over the whole candidate block per step, so its
+speedup is about (tokens accepted per step) / cost(T) / cost(1). That ratio grows very
+differently on a CPU (compute-bound early) and on an accelerator (memory-bound: nearly flat up
+to dozens of tokens), so the default tree size is chosen from a measured curve:
+
+  * `measure_step_cost` times one cached step (trunk, heads that run in the pass, and the
+    logits of every node) for a few T, in a compiled loop so dispatch overhead is left out;
+  * `step_cost` caches the relative curve in a small JSON file per (device kind, model shape);
+  * `choose_tree` picks the tree size that maximises expected tokens per unit of cost, given
+    the heads' measured top-k accuracies (`trees.choose_tree_size`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+import time
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp.decode import trees as trees_lib
+
+DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32)
+_FILE_NAME = 'step_cost.json'
+
+
+def default_cache_dir() -> str:
+  """$MTP_CACHE_DIR, else ~/.cache/mtp."""
+  return os.environ.get('MTP_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache',
+                                                         'mtp')
+
+
+def device_kind() -> str:
+  """Platform and kind of the default device, e.g. 'cpu:cpu' or 'gpu:NVIDIA H200'."""
+  device = jax.devices()[0]
+  return f'{device.platform}:{device.device_kind}'
+
+
+def model_key(model) -> str:
+  """A string naming everything about the model's shape that changes a step's cost."""
+  c = model.cfg.trunk
+  return (f'V{c.vocab_size}-D{c.embed_dim}-L{c.num_layers}-H{c.num_heads}-KV{c.num_kv_heads}'
+          f'-hd{c.head_dim}-mlp{c.mlp_dim}-{c.dtype}-{model.cfg.mtp_head_type}'
+          f'{model.num_heads}')
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'num_tokens', 'batch_size',
+                                             'context', 'iterations'))
+def _timed_loop(graphdef, params, *, num_tokens: int, batch_size: int, context: int,
+                iterations: int):
+  """`iterations` verification passes of num_tokens tokens after `context` committed slots."""
+  model = nnx.merge(graphdef, params)
+  cache = model.init_cache(batch_size, context + num_tokens)
+  lengths = jnp.full((batch_size,), context, jnp.int32)
+  positions = lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
+  def body(_, carry):
+    tokens, cache = carry
+    out, cache = model.step(tokens, positions, cache, lengths)
+    logits = model.logits(out.normed)  # Verification needs every node's logits.
+    # Feed the argmax back so no iteration can be hoisted or skipped.
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+  tokens = jnp.zeros((batch_size, num_tokens), jnp.int32)
+  tokens, _ = jax.lax.fori_loop(0, iterations, body, (tokens, cache))
+  return tokens
+
+
+def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, *,
+                      batch_size: int = 1, context: int = 256, iterations: int = 16,
+                      repeats: int = 5) -> dict[int, float]:
+  """Seconds per cached verification step over T new tokens, for each T in token_counts.
+
+  Args:
+    model: an `MTPModel`.
+    token_counts: the T to measure.
+    batch_size: rows per step.
+    context: committed cache slots each new token attends to (capped by max_seq_len).
+    iterations: steps per compiled loop (dispatch is paid once per loop).
+    repeats: timed loops per T; the fastest counts (least disturbed by other work).
+
+  Returns:
+    {T: seconds per step}.
+  """
+  if not token_counts or min(token_counts) < 1:
+    raise ValueError(f'token_counts must be positive, got {token_counts}')
+  context = max(1, min(context, model.cfg.trunk.max_seq_len - max(token_counts)))
+  graphdef, params = nnx.split(model)
+  costs = {}
+  for t in sorted(set(int(t) for t in token_counts)):
+    run = functools.partial(_timed_loop, graphdef, params, num_tokens=t,
+                            batch_size=batch_size, context=context, iterations=iterations)
+    jax.block_until_ready(run())  # Compile and warm up.
+    best = float('inf')
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      best = min(best, time.perf_counter() - start)
+    costs[t] = best / iterations
+  return costs
+
+
+def relative(costs: Mapping[int, float]) -> dict[int, float]:
+  """Costs divided by the cost of T = 1 (which must be present)."""
+  if 1 not in costs:
+    raise ValueError('the cost curve needs T = 1')
+  return {int(t): float(c) / float(costs[1]) for t, c in sorted(costs.items())}
+
+
+def step_cost(model, *, cache_dir: str | None = None,
+              token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, batch_size: int = 1,
+              refresh: bool = False, **measure_kwargs) -> dict[int, float]:
+  """The relative cost curve {T: cost(T) / cost(1)}, measured once and cached on disk.
+
+  The cache is a JSON file `step_cost.json` in cache_dir (default `default_cache_dir()`),
+  keyed by device kind, model shape, batch size and the token counts.
+
+  Args:
+    model: an `MTPModel`.
+    cache_dir: where the JSON file lives.
+    token_counts: the T to measure (1 is always added).
+    batch_size: rows per step.
+    refresh: measure again even when cached.
+    **measure_kwargs: passed to `measure_step_cost`.
+  """
+  token_counts = tuple(sorted(set(int(t) for t in token_counts) | {1}))
+  path = os.path.join(cache_dir or default_cache_dir(), _FILE_NAME)
+  key = f'{device_kind()}|{model_key(model)}|B{batch_size}|T{",".join(map(str, token_counts))}'
+  table = _read(path)
+  if not refresh and key in table:
+    return {int(t): float(c) for t, c in table[key]['relative'].items()}
+  seconds = measure_step_cost(model, token_counts, batch_size=batch_size, **measure_kwargs)
+  curve = relative(seconds)
+  table = _read(path)  # Another process may have written meanwhile: keep its entries.
+  table[key] = {'relative': {str(t): c for t, c in curve.items()},
+                'seconds': {str(t): c for t, c in seconds.items()}}
+  _write(path, table)
+  return curve
+
+
+def _read(path: str) -> dict:
+  try:
+    with open(path) as f:
+      table = json.load(f)
+    return table if isinstance(table, dict) else {}
+  except (OSError, ValueError):
+    return {}  # Missing or corrupt: measure again.
+
+
+def _write(path: str, table: dict) -> None:
+  directory = os.path.dirname(path)
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, suffix='.tmp')
+  with os.fdopen(fd, 'w') as f:
+    json.dump(table, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)  # Atomic: readers never see half a file.
+
+
+def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = None,
+                candidates: Sequence[int] | None = None,
+                cache_dir: str | None = None) -> trees_lib.Tree:
+  """The default candidate tree for `model` on the hardware in use.
+
+  Args:
+    model: an `MTPModel` with heads.
+    accuracies: [D, R] measured top-k accuracies of heads 1..D (entry [d, r]: the rank-r
+      candidate of head d + 1 is right, given the earlier drafts were); rows past the model's
+      heads are dropped. None: no measurements, so a chain of every head's top-1.
+    cost: relative cost curve {T: cost(T) / cost(1)}; None: `step_cost(model)` (measured
+      once per device kind and model shape, then read from the cache).
+    candidates: tree sizes (nodes, root included) to consider; default every size the cost
+      curve covers, from 2 up.
+    cache_dir: for `step_cost`.
+
+  Returns:
+    The tree with the best expected tokens per unit of verification cost.
+  """
+  num_heads = model.num_heads
+  if num_heads == 0:
+    raise ValueError('a model without MTP heads has no candidate tree')
+  if accuracies is None:
+    return trees_lib.chain_tree(num_heads)
+  acc = np.asarray(accuracies, np.float64)
+  if acc.ndim != 2:
+    raise ValueError(f'accuracies must be [num_heads, top_k], got shape {acc.shape}')
+  acc = acc[:num_heads]
+  if cost is None:
+    cost = step_cost(model, cache_dir=cache_dir)
+  most = sum(acc.shape[1] ** d for d in range(1, acc.shape[0] + 1)) + 1
+  if candidates is None:
+    candidates = range(2, max(cost) + 1)
+  candidates = [n for n in candidates if 2 <= n <= min(most, max(cost))]
+  if not candidates:
+    raise ValueError(f'no tree size to choose from: the cost curve covers T <= {max(cost)}')
+  return trees_lib.tree_from_accuracies(acc, trees_lib.choose_tree_size(acc, cost, candidates))

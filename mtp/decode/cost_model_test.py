@@ -1,0 +1,68 @@
+"""Cost curve: measured, cached per device and model shape; tree size follows the curve."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mtp.decode import cost_model
+from mtp.model import testing
+
+ACCURACIES = [[0.7, 0.1, 0.05], [0.6, 0.1, 0.05], [0.5, 0.1, 0.05]]
+
+
+def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+  model = testing.tiny_model(0, num_layers=1)
+  curve = cost_model.step_cost(model, cache_dir=str(tmp_path), token_counts=(4,),
+                               iterations=2, repeats=1)
+  assert sorted(curve) == [1, 4] and curve[1] == 1.0 and curve[4] > 0
+  with open(os.path.join(tmp_path, 'step_cost.json')) as f:
+    table = json.load(f)
+  (key, entry), = table.items()
+  assert cost_model.device_kind() in key and cost_model.model_key(model) in key
+  assert set(entry['seconds']) == {'1', '4'}
+
+  def fail(*args, **kwargs):
+    raise AssertionError('measured again')
+
+  monkeypatch.setattr(cost_model, 'measure_step_cost', fail)
+  assert cost_model.step_cost(model, cache_dir=str(tmp_path), token_counts=(4,)) == curve
+  # Another model shape is another entry.
+  with pytest.raises(AssertionError, match='measured again'):
+    cost_model.step_cost(testing.tiny_model(0, num_layers=1, head_type='parallel'),
+                         cache_dir=str(tmp_path), token_counts=(4,))
+
+
+def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
+  with open(os.path.join(tmp_path, 'step_cost.json'), 'w') as f:
+    f.write('{not json')
+  monkeypatch.setattr(cost_model, 'measure_step_cost',
+                      lambda model, counts, **kw: {t: 1e-3 * t for t in counts})
+  curve = cost_model.step_cost(testing.tiny_model(0), cache_dir=str(tmp_path),
+                               token_counts=(2, 8))
+  assert curve == {1: 1.0, 2: 2.0, 8: 8.0}
+
+
+def test_tree_size_follows_the_cost_curve():
+  model = testing.tiny_model(0)
+  flat = {1: 1.0, 32: 1.0}  # Memory-bound accelerator: verifying 32 tokens costs one.
+  steep = {1: 1.0, 32: 32.0}  # Compute-bound: cost grows with every token.
+  big = cost_model.choose_tree(model, ACCURACIES, cost=flat)
+  small = cost_model.choose_tree(model, ACCURACIES, cost=steep)
+  assert big.num_nodes > 16 and small.num_nodes <= 3
+  assert big.max_depth <= 3
+  assert cost_model.choose_tree(model, None).is_chain
+  # Accuracies of more heads than the model has are cut to its heads.
+  deep = cost_model.choose_tree(model, ACCURACIES + [[0.9, 0.05, 0.01]], cost=flat)
+  assert deep.max_depth <= 3
+
+
+def test_choose_tree_errors():
+  with pytest.raises(ValueError, match='without MTP heads'):
+    cost_model.choose_tree(testing.tiny_model(0, num_heads=0), ACCURACIES, cost={1: 1.0})
+  with pytest.raises(ValueError, match='no tree size'):
+    cost_model.choose_tree(testing.tiny_model(0), ACCURACIES, cost={1: 1.0})
+  with pytest.raises(ValueError, match='needs T = 1'):
+    cost_model.relative({2: 1.0})
+  np.testing.assert_allclose(list(cost_model.relative({1: 2.0, 4: 3.0}).values()), [1, 1.5])
