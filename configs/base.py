@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.mtp_num_heads = 4        # heads predicting t+2 .. t+1+K
   c.model.mtp_head_type = 'medusa'  # 'medusa' | 'parallel' | 'sequential'
   c.model.medusa_num_layers = 1    # ResBlocks per Medusa head
+  c.model.remat = 'heads'          # recompute in backward: 'none' | 'heads' | 'full'
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = 'stdlib'         # 'stdlib' or a directory of text/code files

@@ -68,6 +68,7 @@ class ParallelHeads(nnx.Module):
     self.blocks = nnx.List([transformer.Block(cfg, rngs=rngs) for _ in range(num_heads)])
     self.norms = nnx.List([transformer.rms_norm(cfg, rngs=rngs) for _ in range(num_heads)])
     self.num_cache_layers = num_heads
+    self.remat = cfg.remat != 'none'
 
   def __call__(self, hidden: Array, positions: Array, mask: Array,
                cache: kv_cache_lib.KVCache | None = None, lengths: Array | None = None,
@@ -78,7 +79,8 @@ class ParallelHeads(nnx.Module):
       layer_cache = None
       if cache is not None:
         layer_cache = (cache.keys[first_layer + i], cache.values[first_layer + i])
-      x, layer_cache = block(hidden, positions, mask, layer_cache, lengths)
+      x, layer_cache = transformer.call_block(block, hidden, positions, mask, layer_cache,
+                                              lengths, remat=self.remat)
       outputs.append(norm(x))
       updated.append(layer_cache)
     return outputs, updated
@@ -88,6 +90,7 @@ class SequentialModule(nnx.Module):
   """One DeepSeek-V3 MTP module: block(proj([norm(h_prev); norm(embed(next_token))]))."""
 
   def __init__(self, cfg: transformer.TransformerConfig, *, rngs: nnx.Rngs):
+    self.remat = cfg.remat != 'none'
     self.hidden_norm = transformer.rms_norm(cfg, rngs=rngs)
     self.embed_norm = transformer.rms_norm(cfg, rngs=rngs)
     self.proj = nnx.Linear(
@@ -102,7 +105,8 @@ class SequentialModule(nnx.Module):
                layer_cache=None, lengths=None):
     """Returns (h_k [B, T, D] pre-norm, normalised output [B, T, D], updated layer cache)."""
     combined = jnp.concatenate([self.hidden_norm(hidden_prev), self.embed_norm(token_embeds)], -1)
-    h, layer_cache = self.block(self.proj(combined), positions, mask, layer_cache, lengths)
+    h, layer_cache = transformer.call_block(self.block, self.proj(combined), positions, mask,
+                                            layer_cache, lengths, remat=self.remat)
     return h, self.out_norm(h), layer_cache
 
 

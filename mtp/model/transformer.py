@@ -23,6 +23,7 @@ from flax import nnx
 from mtp.model import kv_cache as kv_cache_lib
 
 Array = jax.Array
+REMAT_POLICIES = ('none', 'heads', 'full')
 
 
 def partitioned(init, *axes: str | None):
@@ -50,6 +51,9 @@ class TransformerConfig:
   tie_embeddings: bool = True
   dtype: str = 'float32'
   param_dtype: str = 'float32'
+  # Recompute activations in the backward pass instead of keeping them (training only):
+  # 'none', 'heads' (the MTP heads' layers), or 'full' (trunk blocks too).
+  remat: str = 'heads'
 
   @classmethod
   def from_config(cls, model_config) -> 'TransformerConfig':
@@ -64,6 +68,9 @@ class TransformerConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'model.num_heads ({self.num_heads}) must be a multiple of '
                        f'model.num_kv_heads ({self.num_kv_heads}).')
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f'model.remat must be one of {", ".join(REMAT_POLICIES)}, got '
+                       f'{self.remat!r}.')
     if self.head_dim % 2:
       raise ValueError(f'model.head_dim must be even for rotary embeddings, got {self.head_dim}.')
 
@@ -197,16 +204,29 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), cache
 
 
+# A block whose activations are recomputed in the backward pass (training forward only).
+_rematerialised_block = nnx.remat(lambda block, x, positions, mask: block(x, positions, mask)[0])
+
+
+def call_block(block: 'Block', x: Array, positions: Array, mask: Array, layer_cache=None,
+               lengths=None, remat: bool = False):
+  """block(x) -> (x, layer cache); rematerialised when asked and no cache is involved."""
+  if remat and layer_cache is None:
+    return _rematerialised_block(block, x, positions, mask), None
+  return block(x, positions, mask, layer_cache, lengths)
+
+
 def run_blocks(blocks, x: Array, positions: Array, mask: Array,
                cache: kv_cache_lib.KVCache | None, lengths: Array | None,
-               first_layer: int = 0) -> tuple[Array, list[tuple[Array, Array]]]:
+               first_layer: int = 0, remat: bool = False
+               ) -> tuple[Array, list[tuple[Array, Array]]]:
   """Runs `blocks` in order; with a cache, block i uses cache layer first_layer + i."""
   updated = []
   for i, block in enumerate(blocks):
     layer_cache = None
     if cache is not None:
       layer_cache = (cache.keys[first_layer + i], cache.values[first_layer + i])
-    x, layer_cache = block(x, positions, mask, layer_cache, lengths)
+    x, layer_cache = call_block(block, x, positions, mask, layer_cache, lengths, remat)
     updated.append(layer_cache)
   return x, updated
 
@@ -263,7 +283,8 @@ class Transformer(nnx.Module):
     if cache is None:
       if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
-      x, _ = run_blocks(self.blocks, x, positions, training_mask(segment_ids), None, None)
+      x, _ = run_blocks(self.blocks, x, positions, training_mask(segment_ids), None, None,
+                        remat=self.cfg.remat == 'full')
       return x, None
     t = tokens.shape[1]
     if block_mask is None:

@@ -1,9 +1,11 @@
 """Joint multi-token loss: next-token loss + λ · Σ_k w_k · loss_k, memory-light.
 
 The output layer dominates the cost of small models and its [tokens, vocab] logits dominate
-their memory, so the hidden states of all heads are projected a chunk of tokens at a time under
-`jax.checkpoint`: the backward pass recomputes each chunk's logits instead of keeping them, and
-the full-vocabulary logits of all heads never exist at once.
+their memory. The hidden states of all heads go through one fused linear cross-entropy that
+projects a chunk of tokens at a time and, when differentiated, computes the chunk's gradients
+right away (a custom VJP): no logits are kept for the backward pass and none are recomputed, so
+the full-vocabulary logits of all heads never exist at once and the output layer costs three
+matrix products per token, as in an ordinary forward and backward pass.
 
 Labels come from the tokens themselves: head k (0 = the trunk) at position t predicts token
 t+1+k, counted only when that token lies in the same packed document (segment) as t.
@@ -11,10 +13,12 @@ t+1+k, counted only when that token lies in the same packed document (segment) a
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -43,37 +47,99 @@ def shifted_labels(tokens: Array, segment_ids: Array, shift: int) -> tuple[Array
   return labels.astype(jnp.int32), valid
 
 
-def chunked_cross_entropy(x: Array, unembedding: Array, labels: Array,
-                          chunk_size: int) -> tuple[Array, Array]:
-  """Per-token cross-entropy and argmax, projecting `chunk_size` tokens at a time.
+def _chunks(x: Array, labels: Array, weights: Array, chunk_size: int):
+  """Pads N up to a multiple of chunk_size and reshapes to [num_chunks, chunk_size, ...]."""
+  n = x.shape[0]
+  num_chunks = -(-n // chunk_size)
+  pad = num_chunks * chunk_size - n
+  return (jnp.pad(x, ((0, pad), (0, 0))).reshape(num_chunks, chunk_size, -1),
+          jnp.pad(labels, (0, pad)).reshape(num_chunks, chunk_size),
+          jnp.pad(weights, (0, pad)).reshape(num_chunks, chunk_size))
+
+
+def _chunk_logits(xc: Array, unembedding: Array, yc: Array):
+  logits = jnp.dot(xc, unembedding.astype(xc.dtype)).astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  loss = lse - jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
+  return logits, lse, loss, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _fused_forward(x, unembedding, labels, weights, chunk_size):
+  n = x.shape[0]
+  xs, ys, ws = _chunks(x, labels, weights, chunk_size)
+
+  def body(_, chunk):
+    xc, yc, wc = chunk
+    _, _, loss, predictions = _chunk_logits(xc, unembedding, yc)
+    return None, (loss, predictions)
+
+  _, (loss, predictions) = jax.lax.scan(body, None, (xs, ys, ws))
+  loss, predictions = loss.reshape(-1)[:n], predictions.reshape(-1)[:n]
+  return jnp.sum(loss * weights), loss, predictions
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused(x, unembedding, labels, weights, chunk_size):
+  return _fused_forward(x, unembedding, labels, weights, chunk_size)
+
+
+def _fused_fwd(x, unembedding, labels, weights, chunk_size):
+  n, d = x.shape
+  xs, ys, ws = _chunks(x, labels, weights, chunk_size)
+  vocab = unembedding.shape[1]
+
+  def body(grad_w, chunk):
+    xc, yc, wc = chunk
+    logits, lse, loss, predictions = _chunk_logits(xc, unembedding, yc)
+    # d(sum_i w_i * loss_i) / d logits = w_i * (softmax - onehot(label)).
+    dlogits = (jnp.exp(logits - lse[:, None]) - jax.nn.one_hot(yc, vocab)) * wc[:, None]
+    grad_x = jnp.dot(dlogits.astype(xc.dtype), unembedding.astype(xc.dtype).T)
+    grad_w = grad_w + jnp.dot(xc.T.astype(jnp.float32), dlogits)
+    return grad_w, (loss, predictions, grad_x)
+
+  grad_w, (loss, predictions, grad_x) = jax.lax.scan(
+      body, jnp.zeros((d, vocab), jnp.float32), (xs, ys, ws))
+  loss, predictions = loss.reshape(-1)[:n], predictions.reshape(-1)[:n]
+  grad_x = grad_x.reshape(-1, d)[:n]
+  out = (jnp.sum(loss * weights), loss, predictions)
+  return out, (grad_x, grad_w.astype(unembedding.dtype), loss, labels)
+
+
+def _fused_bwd(chunk_size, residuals, cotangents):
+  del chunk_size
+  grad_x, grad_w, loss, labels = residuals
+  g = cotangents[0]  # Only the weighted sum is differentiable; see fused_cross_entropy.
+  label_cotangent = np.zeros(labels.shape, jax.dtypes.float0)
+  return g * grad_x, g * grad_w, label_cotangent, g * loss
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_cross_entropy(x: Array, unembedding: Array, labels: Array, weights: Array,
+                        chunk_size: int) -> tuple[Array, Array, Array]:
+  """Weighted cross-entropy of x @ unembedding against labels, `chunk_size` tokens at a time.
 
   Args:
     x: [N, D] normalised hidden states.
     unembedding: [D, V] output matrix.
     labels: [N] int32 targets.
-    chunk_size: tokens per chunk; only [chunk_size, V] logits are live at once, forward and
-      backward.
+    weights: [N] per-token weights (0 for tokens that do not count).
+    chunk_size: tokens per chunk: only [chunk_size, V] logits are live at once. 0 projects
+      all tokens at once and lets autodiff keep the logits (the naive baseline, for
+      comparisons).
 
   Returns:
-    (loss [N] float32, predictions [N] int32: the argmax of each token's logits).
+    (sum_i weights_i * loss_i, differentiable; loss [N] float32 and predictions [N] int32,
+    the argmax of each token's logits, both without gradient).
   """
-  n, d = x.shape
-  chunk_size = max(1, min(chunk_size, n))
-  num_chunks = -(-n // chunk_size)
-  padded = num_chunks * chunk_size
-  x = jnp.pad(x, ((0, padded - n), (0, 0))).reshape(num_chunks, chunk_size, d)
-  labels = jnp.pad(labels, (0, padded - n)).reshape(num_chunks, chunk_size)
-
-  @jax.checkpoint
-  def one_chunk(args):
-    xc, yc = args
-    logits = jnp.dot(xc, unembedding.astype(xc.dtype)).astype(jnp.float32)
-    label_logit = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
-    loss = jax.nn.logsumexp(logits, axis=-1) - label_logit
-    return loss, jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-  loss, predictions = jax.lax.map(one_chunk, (x, labels))
-  return loss.reshape(-1)[:n], predictions.reshape(-1)[:n]
+  if chunk_size <= 0:
+    logits = jnp.dot(x, unembedding.astype(x.dtype)).astype(jnp.float32)
+    loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
+    return (jnp.sum(loss * weights), jax.lax.stop_gradient(loss),
+            jnp.argmax(logits, axis=-1).astype(jnp.int32))
+  total, loss, predictions = _fused(x, unembedding, labels, weights, min(chunk_size, x.shape[0]))
+  return total, jax.lax.stop_gradient(loss), predictions
 
 
 class LossOutput(NamedTuple):
@@ -127,11 +193,14 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
   num_outputs, b, t, d = hidden.shape
   labels, valid = zip(*(shifted_labels(tokens, segment_ids, 1 + k) for k in range(num_outputs)))
   labels, valid = jnp.stack(labels), jnp.stack(valid)
-  loss, predictions = chunked_cross_entropy(hidden.reshape(-1, d), unembedding,
-                                            labels.reshape(-1), chunk_size)
+  counts = jnp.maximum(jnp.sum(valid, axis=(1, 2)), 1)
+  coefficients = jnp.asarray([1.0] + [loss_scaling_factor * w for w in weights[:num_outputs - 1]])
+  token_weights = valid * (coefficients / counts)[:, None, None]
+  total, loss, predictions = fused_cross_entropy(
+      hidden.reshape(-1, d), unembedding, labels.reshape(-1), token_weights.reshape(-1),
+      chunk_size)
   loss = loss.reshape(num_outputs, b, t)
   predictions = predictions.reshape(num_outputs, b, t)
-  counts = jnp.maximum(jnp.sum(valid, axis=(1, 2)), 1)
   per_head_loss = jnp.sum(loss * valid, axis=(1, 2)) / counts
   per_head_acc = jnp.sum((predictions == labels) & valid, axis=(1, 2)) / counts
 
@@ -142,7 +211,6 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
     metrics[f'head_{k}_loss'] = per_head_loss[k]
     metrics[f'head_{k}_acc'] = per_head_acc[k]
     mtp_part = mtp_part + weights[k - 1] * per_head_loss[k]
-  total = per_head_loss[0] + loss_scaling_factor * mtp_part
   if num_outputs > 1:
     metrics['mtp_loss'] = mtp_part
     metrics['acceptance_proxy'] = acceptance_proxy(predictions, valid)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from mtp.train import loss as loss_lib
 
@@ -48,21 +49,48 @@ def test_loss_equals_direct_computation_with_packed_documents():
     np.testing.assert_allclose(out.metrics[f'head_{k}_acc'], accs[k], rtol=1e-6)
 
 
-def test_chunked_cross_entropy_gradient_matches_unchunked():
+@pytest.mark.parametrize('chunk_size', [4, 11, 0])
+def test_fused_cross_entropy_value_and_gradients_match_optax(chunk_size):
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.normal(size=(11, 6)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(6, 17)), jnp.float32)
   y = jnp.asarray(rng.integers(0, 17, 11), jnp.int32)
+  weights = jnp.asarray(rng.uniform(size=11) * (rng.uniform(size=11) > 0.3), jnp.float32)
 
-  def chunked(x, w):
-    return jnp.sum(loss_lib.chunked_cross_entropy(x, w, y, chunk_size=4)[0])
+  def fused(x, w, weights):
+    return loss_lib.fused_cross_entropy(x, w, y, weights, chunk_size)[0]
 
-  def full(x, w):
-    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x @ w, y))
+  def reference(x, w, weights):
+    return jnp.sum(weights * optax.softmax_cross_entropy_with_integer_labels(x @ w, y))
 
-  np.testing.assert_allclose(chunked(x, w), full(x, w), rtol=1e-5)
-  for a, b in zip(jax.grad(chunked, (0, 1))(x, w), jax.grad(full, (0, 1))(x, w)):
+  np.testing.assert_allclose(fused(x, w, weights), reference(x, w, weights), rtol=1e-5)
+  for a, b in zip(jax.grad(fused, (0, 1, 2))(x, w, weights),
+                  jax.grad(reference, (0, 1, 2))(x, w, weights)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  _, loss, predictions = loss_lib.fused_cross_entropy(x, w, y, weights, chunk_size)
+  np.testing.assert_allclose(loss, optax.softmax_cross_entropy_with_integer_labels(x @ w, y),
+                             rtol=1e-5)
+  np.testing.assert_array_equal(predictions, jnp.argmax(x @ w, -1))
+
+
+def test_joint_loss_gradient_matches_direct_autodiff():
+  rng = np.random.default_rng(2)
+  hidden = jnp.asarray(rng.normal(size=(3, 2, 7, 5)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(5, 9)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, 9, (2, 7)), jnp.int32)
+  segments = jnp.array([[1, 1, 1, 2, 2, 2, 2], [1] * 7])
+
+  def fused(hidden, w):
+    return loss_lib.mtp_loss(hidden, w, tokens, segments, loss_scaling_factor=0.3,
+                             weights=[0.8, 0.64], chunk_size=4).total
+
+  def naive(hidden, w):
+    return loss_lib.mtp_loss(hidden, w, tokens, segments, loss_scaling_factor=0.3,
+                             weights=[0.8, 0.64], chunk_size=0).total
+
+  np.testing.assert_allclose(fused(hidden, w), naive(hidden, w), rtol=1e-5)
+  for a, b in zip(jax.grad(fused, (0, 1))(hidden, w), jax.grad(naive, (0, 1))(hidden, w)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_shifted_labels_stop_at_document_boundaries_and_padding():
