@@ -2,7 +2,8 @@
 
 The model is split with `nnx.split` on the host and merged inside the jitted functions (as in
 the google/flax gemma sampler): the compiled code is cached by jax per (graph, static settings,
-shapes), so a second call with the same shapes does not retrace.
+shapes), so a second call with the same shapes does not retrace. Pass a `state.PreparedModel`
+to split once for many calls.
 
 Two compiled pieces: `_start` (prefill of the right-padded prompts in one cached step, each
 row's first token from its own last prompt position) and `_run` (the loop, for at most a given
@@ -18,7 +19,6 @@ from typing import Iterator
 import flax.struct
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from mtp.decode import sampling as sampling_lib
 from mtp.decode import state as state_lib
@@ -70,11 +70,11 @@ def _sample(rng: Array, logits: Array, s: Settings) -> Array:
   return sampling_lib.sample_tokens(rng, logits, s.temperature, s.top_k, s.top_p)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'settings'))
-def _start(graphdef, params, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
+@functools.partial(jax.jit, static_argnames=('structure', 'settings'))
+def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
            pad_id: Array, settings: Settings) -> LoopState:
   """Prefills [B, P] right-padded prompts and samples each row's first token."""
-  model = nnx.merge(graphdef, params)
+  model = state_lib.merge(structure, leaves)
   b, p = prompts.shape
   cache = model.init_cache(b, settings.capacity)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -93,11 +93,11 @@ def _start(graphdef, params, prompts: Array, lengths: Array, rng: Array, eos_id:
                    eos_id=eos_id, pad_id=pad_id)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'settings'), donate_argnames=('state',))
-def _run(graphdef, params, state: LoopState, max_steps: Array,
+@functools.partial(jax.jit, static_argnames=('structure', 'settings'), donate_argnames=('state',))
+def _run(structure, leaves, state: LoopState, max_steps: Array,
          settings: Settings) -> LoopState:
   """Runs one-token steps until every row is done or `max_steps` steps were taken."""
-  model = nnx.merge(graphdef, params)
+  model = state_lib.merge(structure, leaves)
 
   def cond(carry):
     i, s = carry
@@ -141,10 +141,9 @@ def _prepare(model, prompts, prompt_lengths, *, max_new_tokens, eos_id, pad_id, 
   capacity = state_lib.cache_capacity(prompts.shape[1], max_new_tokens, 1, cache_capacity)
   settings = Settings(max_new_tokens=int(max_new_tokens), capacity=capacity,
                       temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
-  graphdef, params = nnx.split(model)
   args = (jnp.asarray(prompts), jnp.asarray(lengths), state_lib.as_key(rng),
           jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id))
-  return graphdef, params, args, settings
+  return state_lib.prepare(model), args, settings
 
 
 def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
@@ -154,7 +153,8 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   """Decodes one token per forward pass.
 
   Args:
-    model: an `MTPModel` (its heads are not used).
+    model: an `MTPModel` (its heads are not used), or a `state.PreparedModel` (faster when
+      reused: no per-call split).
     prompts: [B, P] int token ids, right-padded (see `state.pad_prompts`).
     prompt_lengths: [B] valid tokens per row (None: all P).
     max_new_tokens: tokens to generate per row at most.
@@ -169,12 +169,12 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   Returns:
     DecodeResult: tokens [B, max_new_tokens], num_generated [B], num_steps [B].
   """
-  graphdef, params, args, settings = _prepare(
+  prepared, args, settings = _prepare(
       model, prompts, prompt_lengths, max_new_tokens=max_new_tokens, eos_id=eos_id,
       pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
       cache_capacity=cache_capacity)
-  state = _start(graphdef, params, *args, settings)
-  state = _run(graphdef, params, state, jnp.int32(max_new_tokens), settings)
+  state = _start(prepared.structure, prepared.leaves, *args, settings)
+  state = _run(prepared.structure, prepared.leaves, state, jnp.int32(max_new_tokens), settings)
   return result(state, settings.max_new_tokens)
 
 
@@ -187,13 +187,13 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   """
   if steps_per_chunk < 1:
     raise ValueError(f'steps_per_chunk must be >= 1, got {steps_per_chunk}')
-  graphdef, params, args, settings = _prepare(
+  prepared, args, settings = _prepare(
       model, prompts, prompt_lengths, max_new_tokens=max_new_tokens, **_defaults(kwargs))
-  state = _start(graphdef, params, *args, settings)
+  state = _start(prepared.structure, prepared.leaves, *args, settings)
   # Host copies: the next `_run` donates (invalidates) the state's device buffers.
   yield jax.device_get(result(state, settings.max_new_tokens))
   while not bool(jnp.all(state.done)):
-    state = _run(graphdef, params, state, jnp.int32(steps_per_chunk), settings)
+    state = _run(prepared.structure, prepared.leaves, state, jnp.int32(steps_per_chunk), settings)
     yield jax.device_get(result(state, settings.max_new_tokens))
 
 

@@ -38,7 +38,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mtp.decode import sampling as sampling_lib
 from mtp.decode import state as state_lib
@@ -189,11 +188,11 @@ def _sample(rng: Array, logits: Array, s: Settings) -> Array:
   return sampling_lib.sample_tokens(rng, logits, s.temperature, s.top_k, s.top_p)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'settings'))
-def _start(graphdef, params, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
+@functools.partial(jax.jit, static_argnames=('structure', 'settings'))
+def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
            pad_id: Array, settings: Settings) -> LoopState:
   """Prefills [B, P] right-padded prompts: each row's first token and first drafts."""
-  model = nnx.merge(graphdef, params)
+  model = state_lib.merge(structure, leaves)
   tree, depth = settings.tree, settings.depth
   b, p = prompts.shape
   cache = model.init_cache(b, settings.capacity)
@@ -255,11 +254,11 @@ def _verify(model, s: LoopState, drafts: Array, settings: Settings, key: Array):
   return nodes, out, cache, path, num_accepted, next_token
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'settings'), donate_argnames=('state',))
-def _run(graphdef, params, state: LoopState, max_steps: Array, hook_data,
+@functools.partial(jax.jit, static_argnames=('structure', 'settings'), donate_argnames=('state',))
+def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
          settings: Settings) -> LoopState:
   """Runs draft-verify-accept steps until every row is done or `max_steps` steps were taken."""
-  model = nnx.merge(graphdef, params)
+  model = state_lib.merge(structure, leaves)
   tree, depth = settings.tree, settings.depth
   sequential = model.cfg.mtp_head_type == 'sequential'
   num_verified_layers = _verified_layers(model)
@@ -329,15 +328,15 @@ def resolve_tree(model, tree) -> trees_lib.Tree:
   """The candidate tree for `model` from a user's choice, checked against its heads.
 
   Args:
-    model: an `MTPModel`.
+    model: an `MTPModel` or a `state.PreparedModel`.
     tree: None (a chain of every head's top-1), an int k (a chain of k drafts), a
       `trees.Tree`, or Medusa-style choices (a sequence of rank paths).
 
   Raises:
     ValueError: the model has no heads, or the tree is empty or deeper than the heads.
   """
-  num_heads = model.num_heads
-  if num_heads == 0 or model.heads is None:
+  num_heads = model.cfg.mtp_num_heads
+  if num_heads == 0:
     raise ValueError('speculative decoding needs a model with MTP heads: this model has '
                      'mtp_num_heads=0 (use the autoregressive decoder)')
   if tree is None:
@@ -374,10 +373,9 @@ def _prepare(model, prompts, prompt_lengths, *, max_new_tokens, tree, eos_id, pa
   settings = Settings(max_new_tokens=int(max_new_tokens), capacity=capacity, tree=tree,
                       temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                       draft_hook=draft_hook)
-  graphdef, params = nnx.split(model)
   args = (jnp.asarray(prompts), jnp.asarray(lengths), state_lib.as_key(rng),
           jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id))
-  return graphdef, params, args, settings
+  return state_lib.prepare(model), args, settings
 
 
 def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
@@ -392,7 +390,7 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   top-k and top-p shape the target before verification; drafts are the heads' top-k).
 
   Args:
-    model: an `MTPModel` with heads.
+    model: an `MTPModel` with heads, or a `state.PreparedModel` of one (faster when reused).
     prompts: [B, P] int token ids, right-padded (see `state.pad_prompts`).
     prompt_lengths: [B] valid tokens per row (None: all P).
     max_new_tokens: tokens to generate per row at most.
@@ -407,12 +405,12 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   Returns:
     DecodeResult; accepted_histogram is [B, tree depth + 2].
   """
-  graphdef, params, args, settings = _prepare(
+  prepared, args, settings = _prepare(
       model, prompts, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree, eos_id=eos_id,
       pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
       cache_capacity=cache_capacity, draft_hook=draft_hook, hook_data=hook_data)
-  state = _start(graphdef, params, *args, settings)
-  state = _run(graphdef, params, state, jnp.int32(max_new_tokens), hook_data, settings)
+  state = _start(prepared.structure, prepared.leaves, *args, settings)
+  state = _run(prepared.structure, prepared.leaves, state, jnp.int32(max_new_tokens), hook_data, settings)
   return result(state, settings.max_new_tokens)
 
 
@@ -431,12 +429,12 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   if unknown:
     raise TypeError(f'unexpected arguments: {", ".join(sorted(unknown))}')
   options = {**allowed, **kwargs}
-  graphdef, params, args, settings = _prepare(
+  prepared, args, settings = _prepare(
       model, prompts, prompt_lengths, max_new_tokens=max_new_tokens, **options)
-  state = _start(graphdef, params, *args, settings)
+  state = _start(prepared.structure, prepared.leaves, *args, settings)
   # Host copies: the next `_run` donates (invalidates) the state's device buffers.
   yield jax.device_get(result(state, settings.max_new_tokens))
   while not bool(jnp.all(state.done)):
-    state = _run(graphdef, params, state, jnp.int32(steps_per_chunk), options['hook_data'],
+    state = _run(prepared.structure, prepared.leaves, state, jnp.int32(steps_per_chunk), options['hook_data'],
                  settings)
     yield jax.device_get(result(state, settings.max_new_tokens))

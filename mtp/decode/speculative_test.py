@@ -19,6 +19,7 @@ from scipy import stats
 from mtp.decode import autoregressive
 from mtp.decode import sampling
 from mtp.decode import speculative
+from mtp.decode import state as state_lib
 from mtp.decode import trees
 from mtp.model import mtp_model
 from mtp.model import testing
@@ -186,7 +187,10 @@ def test_no_recompilation_and_chunks(models, prompts, reference):
   np.testing.assert_array_equal(chunks[-1].tokens[0], expected)
   counts = [int(c.num_generated[0]) for c in chunks]
   assert counts == sorted(counts) and len(counts) > 2 and counts[-1] == stop
-  # New EOS id, seed and chunking: the same compiled code.
+  prepared = state_lib.prepare(model)
+  out = speculative.generate(prepared, prompts[1:2, :3], max_new_tokens=MAX_NEW, eos_id=eos)
+  np.testing.assert_array_equal(out.tokens[0], expected)
+  # New EOS id, seed, chunking and a prepared model: the same compiled code.
   assert (speculative._start._cache_size(), speculative._run._cache_size()) == sizes
 
 
