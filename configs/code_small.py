@@ -11,10 +11,10 @@ from configs import base
 
 def get_config():
   c = base.get_config()
-  c.num_train_steps = 800
+  c.num_train_steps = 600
   c.log_every_steps = 25
-  c.eval_every_steps = 200
-  c.checkpoint_every_steps = 200
+  c.eval_every_steps = 150
+  c.checkpoint_every_steps = 150
   c.data.batch_size = 8
   c.optim.learning_rate = 3e-3
   c.optim.warmup_steps = 50
