@@ -70,6 +70,13 @@ def _sample(rng: Array, logits: Array, s: Settings) -> Array:
   return sampling_lib.sample_tokens(rng, logits, s.temperature, s.top_k, s.top_p)
 
 
+def _split(rng: Array, s: Settings) -> tuple[Array, Array]:
+  """(next rng, key for this step); greedy decoding draws nothing, so it skips the split."""
+  if s.temperature == 0:
+    return rng, rng
+  return tuple(jax.random.split(rng))
+
+
 @functools.partial(jax.jit, static_argnames=('structure', 'settings'))
 def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
            pad_id: Array, settings: Settings) -> LoopState:
@@ -106,7 +113,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array,
   def body(carry):
     i, s = carry
     out, cache = model.step(s.last_token[:, None], s.lengths[:, None], s.cache, s.lengths)
-    rng, key = jax.random.split(s.rng)
+    rng, key = _split(s.rng, settings)
     token = _sample(key, model.logits(out.normed[:, 0]), settings)
     active = ~s.done
     buffer, num_generated, done, _ = state_lib.append_tokens(

@@ -62,6 +62,7 @@ class Settings:
   top_k: int = 0
   top_p: float = 1.0
   draft_hook: DraftHook | None = None
+  mesh: jax.sharding.Mesh | None = None  # Shard the batch and the KV cache over it.
 
   @property
   def depth(self) -> int:
@@ -195,7 +196,7 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
   model = state_lib.merge(structure, leaves)
   tree, depth = settings.tree, settings.depth
   b, p = prompts.shape
-  cache = model.init_cache(b, settings.capacity)
+  cache = state_lib.shard_cache(model.init_cache(b, settings.capacity), settings.mesh)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   out, cache = model.step(prompts, positions, cache, jnp.zeros((b,), jnp.int32))
   last_index = lengths - 1
@@ -270,7 +271,8 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
 
   def body(carry):
     i, s = carry
-    rng, key = jax.random.split(s.rng)
+    # Greedy decoding draws nothing: skip the split (a small loop of its own on CPU).
+    rng, key = (s.rng, s.rng) if settings.greedy else tuple(jax.random.split(s.rng))
     drafts = s.drafts
     if settings.draft_hook is not None:
       drafts = settings.draft_hook(drafts, s.num_generated, hook_data).astype(jnp.int32)
@@ -356,7 +358,7 @@ def resolve_tree(model, tree) -> trees_lib.Tree:
 
 
 def _prepare(model, prompts, prompt_lengths, *, max_new_tokens, tree, eos_id, pad_id,
-             temperature, top_k, top_p, rng, cache_capacity, draft_hook, hook_data):
+             temperature, top_k, top_p, rng, cache_capacity, draft_hook, hook_data, mesh=None):
   tree = resolve_tree(model, tree)
   cfg = model.cfg.trunk
   prompts, lengths = state_lib.check_request(
@@ -372,8 +374,9 @@ def _prepare(model, prompts, prompt_lengths, *, max_new_tokens, tree, eos_id, pa
     raise ValueError('hook_data is given without a draft_hook')
   settings = Settings(max_new_tokens=int(max_new_tokens), capacity=capacity, tree=tree,
                       temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                      draft_hook=draft_hook)
-  args = (jnp.asarray(prompts), jnp.asarray(lengths), state_lib.as_key(rng),
+                      draft_hook=draft_hook, mesh=mesh)
+  args = (*state_lib.shard_rows((jnp.asarray(prompts), jnp.asarray(lengths)), mesh),
+          state_lib.as_key(rng),
           jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id))
   return state_lib.prepare(model), args, settings
 
@@ -382,7 +385,8 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
              tree: trees_lib.Tree | int | Sequence[Sequence[int]] | None = None,
              eos_id: int | None = None, pad_id: int = 0, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, rng=None, cache_capacity: int | None = None,
-             draft_hook: DraftHook | None = None, hook_data=None) -> DecodeResult:
+             draft_hook: DraftHook | None = None, hook_data=None,
+             mesh: jax.sharding.Mesh | None = None) -> DecodeResult:
   """Self-speculative decoding; the output is distributed exactly as `autoregressive.generate`.
 
   Greedy (temperature 0) output equals greedy autoregressive output token for token (up to
@@ -401,6 +405,8 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
     draft_hook: replaces the drafts before each verification (tests: oracle or adversarial
       drafts); (drafts [B, N], num_generated [B], hook_data) -> [B, N].
     hook_data: pytree of arrays passed to draft_hook (traced: no recompilation).
+    mesh: shard the rows (prompts, cache, loop state) over its batch axes and the cache's KV
+      heads over 'tensor'; pass parameters already sharded (`mesh.state_shardings`).
 
   Returns:
     DecodeResult; accepted_histogram is [B, tree depth + 2].
@@ -408,7 +414,7 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   prepared, args, settings = _prepare(
       model, prompts, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree, eos_id=eos_id,
       pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
-      cache_capacity=cache_capacity, draft_hook=draft_hook, hook_data=hook_data)
+      cache_capacity=cache_capacity, draft_hook=draft_hook, hook_data=hook_data, mesh=mesh)
   state = _start(prepared.structure, prepared.leaves, *args, settings)
   state = _run(prepared.structure, prepared.leaves, state, jnp.int32(max_new_tokens), hook_data, settings)
   return result(state, settings.max_new_tokens)
@@ -424,7 +430,7 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   if steps_per_chunk < 1:
     raise ValueError(f'steps_per_chunk must be >= 1, got {steps_per_chunk}')
   allowed = dict(tree=None, eos_id=None, pad_id=0, temperature=0.0, top_k=0, top_p=1.0,
-                 rng=None, cache_capacity=None, draft_hook=None, hook_data=None)
+                 rng=None, cache_capacity=None, draft_hook=None, hook_data=None, mesh=None)
   unknown = set(kwargs) - set(allowed)
   if unknown:
     raise TypeError(f'unexpected arguments: {", ".join(sorted(unknown))}')
