@@ -20,6 +20,7 @@ from flax import nnx
 
 from mtp.decode import sampling as sampling_lib
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.parallel import mesh as mesh_lib
 
 Array = jax.Array
 
@@ -243,3 +244,29 @@ def append_tokens(buffer: Array, num_generated: Array, done: Array, emitted: Arr
   num_generated = num_generated + take
   done = done | hit_eos | (num_generated >= max_new_tokens)
   return buffer, num_generated, done, take.astype(jnp.int32)
+
+
+def shard_rows(arrays: Sequence[Array], mesh: jax.sharding.Mesh | None) -> tuple[Array, ...]:
+  """Places [B, ...] arrays with their rows over the mesh's batch axes (None: as they are).
+
+  A batch that the batch axes do not divide stays replicated.
+  """
+  if mesh is None:
+    return tuple(arrays)
+  return tuple(jax.device_put(a, jax.sharding.NamedSharding(mesh, mesh_lib.logical_to_mesh_spec(
+      ('batch',) + (None,) * (a.ndim - 1), a.shape, mesh))) for a in arrays)
+
+
+def shard_cache(cache: kv_cache_lib.KVCache,
+                mesh: jax.sharding.Mesh | None) -> kv_cache_lib.KVCache:
+  """Inside jitted code: keeps a cache's rows over the batch axes and KV heads over 'tensor'.
+
+  Every loop step then reads and writes each device's shard of the cache in place.
+  """
+  if mesh is None:
+    return cache
+
+  def constrain(buffer):  # [B, S, K, H]
+    spec = mesh_lib.logical_to_mesh_spec(('batch', None, 'kv_heads', None), buffer.shape, mesh)
+    return jax.lax.with_sharding_constraint(buffer, jax.sharding.NamedSharding(mesh, spec))
+  return jax.tree.map(constrain, cache)

@@ -1,0 +1,62 @@
+"""Speculative decoding sharded over 8 simulated CPU devices gives the one-device tokens.
+
+Parameters are sharded by their logical axes over a (data=2, fsdp=2, tensor=2) mesh, prompts
+and the KV cache by rows over (data, fsdp) (and KV heads over tensor): the whole loop runs
+under one jit across the mesh.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtp.decode import speculative
+from mtp.decode import trees
+from mtp.model import testing
+from mtp.parallel import mesh as mesh_lib
+
+PROMPT_LENGTHS = np.array([7, 3, 5, 6], np.int32)
+MAX_NEW = 16
+TREE = trees.tree_from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+
+
+@pytest.fixture(scope='module')
+def mesh():
+  if jax.device_count() < 8:
+    pytest.skip('needs 8 devices (conftest.py simulates them on CPU)')
+  return mesh_lib.make_mesh(dict(data=2, fsdp=2, tensor=2))
+
+
+@pytest.mark.parametrize('head_type,tree', [('medusa', TREE), ('parallel', None)],
+                         ids=['medusa-tree', 'parallel-chain'])
+def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree):
+  # Two KV heads and 64 ids: 'tensor' divides both.
+  model = testing.tiny_model(0, head_type=head_type, vocab_size=64)
+  prompts = testing.random_tokens((4, 7), 64, seed=1)
+  expected = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                                  tree=tree)
+
+  state = nnx.state(model)
+  nnx.update(model, jax.device_put(state, mesh_lib.state_shardings(state, mesh)))
+  sharded_leaves = [x for x in jax.tree.leaves(nnx.state(model))
+                    if not x.sharding.is_fully_replicated]
+  assert sharded_leaves, 'no parameter is sharded: the test would prove nothing'
+
+  out = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=tree,
+                             mesh=mesh)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_steps, expected.num_steps)
+  np.testing.assert_array_equal(out.accepted_histogram, expected.accepted_histogram)
+
+  # The loop state really is spread over the mesh: rows over (data, fsdp), the cache's KV
+  # heads over tensor, each device holding a quarter of the rows.
+  prepared, args, settings = speculative._prepare(
+      model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=tree, eos_id=None, pad_id=0,
+      temperature=0.0, top_k=0, top_p=1.0, rng=0, cache_capacity=None, draft_hook=None,
+      hook_data=None, mesh=mesh)
+  loop_state = speculative._start(prepared.structure, prepared.leaves, *args, settings)
+  keys = loop_state.cache.keys[0]  # [B, S, K, H]
+  assert keys.sharding.spec[0] == mesh_lib.BATCH_AXES
+  assert keys.sharding.spec[2] == 'tensor'
+  assert keys.addressable_shards[0].data.shape == (1, keys.shape[1], 1, keys.shape[3])
+  assert not loop_state.lengths.sharding.is_fully_replicated
