@@ -1,17 +1,27 @@
-"""The Python entry points: `mtp.load(workdir)`."""
+"""The Python entry points: `mtp.load(workdir)` and `mtp.generate(...)`."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import os
 import pathlib
+import time
+from typing import Callable, Sequence
 
 import jax
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from mtp.checkpoint import checkpointing
 from mtp.data import tokenizer as tokenizer_lib
+from mtp.decode import autoregressive
+from mtp.decode import speculative
+from mtp.decode import state as state_lib
+from mtp.decode import streaming
+from mtp.decode import trees as trees_lib
 from mtp.model import mtp_model
 
 
@@ -57,3 +67,232 @@ def load(workdir: str | os.PathLike, step: int | None = None,
     checkpointer.close()
   return LoadedModel(model=nnx.merge(graphdef, params), tokenizer=tokenizer, config=config,
                      step=step, workdir=workdir)
+
+
+# ------------------------------------------------------------------------------------------
+# Generation.
+# ------------------------------------------------------------------------------------------
+
+DECODERS = streaming.DECODERS
+TREES = ('chain', 'default', 'auto')
+_PROMPT_WIDTH_MULTIPLE = 32  # Nearby prompt lengths share a compiled decoder.
+_ACCURACIES_FILE = 'head_accuracies.json'
+
+
+@dataclasses.dataclass
+class Generation:
+  """One prompt's completion and decoding statistics.
+
+  Attributes:
+    prompt: the prompt text.
+    completion: the generated text (EOS not included).
+    tokens: generated token ids (EOS included when it ended the completion).
+    num_prompt_tokens: tokens in the prompt.
+    num_steps: forward passes of the decode loop that worked on this prompt (the prefill,
+      which gives the first token, is not counted).
+    mean_accepted: tokens emitted per loop step (1 for autoregressive decoding).
+    accepted_histogram: entry j counts the loop steps that emitted j tokens.
+    tokens_per_sec: this prompt's tokens over the wall time of the batch that decoded it
+      (prefill included, compilation excluded); a batch's throughput is the sum over its rows.
+    seconds: that wall time.
+    finish_reason: 'eos' or 'length'.
+  """
+  prompt: str
+  completion: str
+  tokens: list[int]
+  num_prompt_tokens: int
+  num_steps: int
+  mean_accepted: float
+  accepted_histogram: list[int]
+  tokens_per_sec: float
+  seconds: float
+  finish_reason: str
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+TextCallback = Callable[[int, str, bool], None]
+
+
+def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | Sequence[str],
+             *, max_new_tokens: int, decoder: str = 'speculative', temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             tree: str | Sequence[Sequence[int]] | trees_lib.Tree | None = None,
+             batch_size: int | None = None, on_text: TextCallback | None = None,
+             steps_per_chunk: int | None = None) -> list[Generation]:
+  """Completes text prompts with a trained model: the Python twin of `launch.generate`.
+
+  Prompts are decoded in batches of `batch_size` in their given order, right-padded to one
+  width (rows have their own lengths), so one compiled decoder serves every batch; a short last
+  batch is filled with copies of its last prompt. Before anything runs, the whole request is
+  checked (empty or too long prompts, sampling settings, tree, decoder), and errors name the
+  prompt. Then the decoder is compiled and warmed up on the first batch with a single loop step,
+  so the timed runs, and `tokens_per_sec`, exclude compilation.
+
+  Args:
+    loaded_or_workdir: `mtp.load(...)`'s result, or a workdir to load.
+    prompts: one prompt or a list.
+    max_new_tokens: tokens to generate per prompt at most (EOS stops earlier).
+    decoder: 'speculative' (the model's heads draft, its trunk verifies; same output
+      distribution) or 'autoregressive'.
+    temperature: 0 = greedy; else sampling from softmax(logits / temperature).
+    top_k: keep the k most likely tokens (0 = all).
+    top_p: nucleus mass in (0, 1] (1 = all).
+    seed: sampling seed (batch i uses fold_in(seed, i)).
+    tree: speculative candidates: None or 'chain' (every head's top-1 in a chain), 'default'
+      (a 24-node Medusa-style static tree cut to the model's heads), 'auto' (built from the
+      heads' top-k accuracies, measured once per checkpoint on the training corpus's
+      validation files and cached in the workdir, sized by the measured verification cost
+      curve of this hardware and batch size), Medusa-style choices (rank paths), or a
+      `trees.Tree`.
+    batch_size: prompts per batch (None: all in one).
+    on_text: if given, the decode loop runs a chunk of steps at a time and
+      `on_text(prompt_index, text, finished)` receives each prompt's text as it is accepted
+      (`finished` marks the last call for that prompt); timings then include the per-chunk
+      host round trips.
+    steps_per_chunk: loop steps per chunk when streaming (None: the decoder's default).
+
+  Returns:
+    One `Generation` per prompt, in order.
+
+  Raises:
+    ValueError: bad input, named, before anything is compiled.
+  """
+  loaded = loaded_or_workdir
+  if not isinstance(loaded, LoadedModel):
+    loaded = load(loaded_or_workdir)
+  texts = [prompts] if isinstance(prompts, str) else list(prompts)
+  if not texts:
+    raise ValueError('prompts is empty: give at least one prompt')
+  for i, text in enumerate(texts):
+    if not isinstance(text, str):
+      raise ValueError(f'prompt {i} is not a string: {type(text).__name__}')
+    if not text:
+      raise ValueError(f'prompt {i} is empty: every prompt needs at least one token')
+  if decoder not in DECODERS:
+    raise ValueError(f'decoder must be one of {DECODERS}, got {decoder!r}')
+  if batch_size is None:
+    batch_size = len(texts)
+  if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+    raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
+  batch_size = min(int(batch_size), len(texts))
+
+  model, tokenizer = loaded.model, loaded.tokenizer
+  encoded = tokenizer.encode_batch(texts)
+  padded, lengths = state_lib.pad_prompts(encoded, tokenizer.pad_id,
+                                          multiple=_PROMPT_WIDTH_MULTIPLE)
+  # The core's checks over the whole request at once, so a row index is the prompt's index.
+  cfg = model.cfg.trunk
+  try:
+    state_lib.check_request(padded, lengths, max_new_tokens=max_new_tokens,
+                            vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
+                            temperature=temperature, top_k=top_k, top_p=top_p,
+                            eos_id=tokenizer.eos_id)
+  except ValueError as e:
+    longest = int(np.argmax(lengths))
+    raise ValueError(f'{e} (prompt {longest} is the longest, {int(lengths[longest])} tokens)'
+                     if 'max_seq_len' in str(e) else str(e)) from None
+  options = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=temperature,
+                 top_k=top_k, top_p=top_p)
+  if decoder == 'speculative':
+    options['tree'] = speculative.resolve_tree(model, _tree(loaded, tree, batch_size))
+  elif tree is not None:
+    raise ValueError('tree applies to the speculative decoder only')
+
+  prepared = state_lib.prepare(model)
+  module = speculative if decoder == 'speculative' else autoregressive
+  batches = []
+  for first in range(0, len(texts), batch_size):
+    rows = list(range(first, min(first + batch_size, len(texts))))
+    fill = rows + [rows[-1]] * (batch_size - len(rows))  # One shape for every batch.
+    batches.append((rows, padded[fill], lengths[fill]))
+
+  # Compile and warm up: the prefill and one loop step (the step count is not compiled in).
+  warm = module.generate_chunks(prepared, batches[0][1], batches[0][2],
+                                max_new_tokens=max_new_tokens, steps_per_chunk=1, **options)
+  for _ in itertools.islice(warm, 2):
+    pass
+  warm.close()
+
+  results = []
+  root_key = jax.random.key(seed)
+  for index, (rows, tokens, row_lengths) in enumerate(batches):
+    rng = jax.random.fold_in(root_key, index)
+    start = time.perf_counter()
+    if on_text is None:
+      out = jax.device_get(module.generate(prepared, tokens, row_lengths,
+                                           max_new_tokens=max_new_tokens, rng=rng, **options))
+    else:
+      for update in streaming.stream(prepared, tokenizer, tokens, row_lengths, decoder=decoder,
+                                     max_new_tokens=max_new_tokens, rng=rng,
+                                     steps_per_chunk=steps_per_chunk, **options):
+        for row, prompt_index in enumerate(rows):
+          if update.text[row] or (update.done[row] and len(update.new_tokens[row])):
+            on_text(prompt_index, update.text[row], bool(update.done[row]))
+        out = update.result
+    seconds = time.perf_counter() - start
+    mean_accepted = np.asarray(out.mean_accepted)
+    for row, prompt_index in enumerate(rows):
+      n = int(out.num_generated[row])
+      generated = [int(t) for t in out.tokens[row, :n]]
+      results.append(Generation(
+          prompt=texts[prompt_index], completion=tokenizer.decode(generated), tokens=generated,
+          num_prompt_tokens=int(row_lengths[row]), num_steps=int(out.num_steps[row]),
+          mean_accepted=float(mean_accepted[row]),
+          accepted_histogram=[int(c) for c in out.accepted_histogram[row]],
+          tokens_per_sec=n / seconds, seconds=seconds,
+          finish_reason='eos' if generated and generated[-1] == tokenizer.eos_id else 'length'))
+  return results
+
+
+def _tree(loaded: LoadedModel, tree, batch_size: int):
+  """A user's tree choice as something `speculative.resolve_tree` accepts."""
+  model = loaded.model
+  if isinstance(tree, str):
+    if tree not in TREES:
+      raise ValueError(f'tree must be one of {TREES}, Medusa-style choices or None, got {tree!r}')
+    if model.num_heads == 0:
+      return None  # resolve_tree names the real problem: no heads.
+    if tree == 'chain':
+      return None
+    if tree == 'default':
+      return trees_lib.medusa_default_tree(model.num_heads)
+    from mtp.decode import cost_model  # Only 'auto' needs the cost curve.
+    return cost_model.choose_tree(model, head_accuracies(loaded),
+                                  cost=cost_model.step_cost(model, batch_size=batch_size))
+  return tree
+
+
+def head_accuracies(loaded: LoadedModel, num_prompts: int = 8, top_k: int = 4) -> np.ndarray:
+  """[D, R] measured top-k accuracies of the heads (see `decode.calibration`), cached.
+
+  Measured on greedy continuations of prompts from the training corpus's validation files
+  (code the model did not train on), once per checkpoint step, and kept in
+  `workdir/head_accuracies.json`.
+  """
+  from mtp.data import corpora
+  from mtp.decode import calibration
+  path = loaded.workdir / _ACCURACIES_FILE
+  key = f'step{loaded.step}-R{top_k}-n{num_prompts}'
+  try:
+    table = json.loads(path.read_text())
+  except (OSError, ValueError):
+    table = {}
+  if key in table:
+    return np.asarray(table[key])
+  files = corpora.corpus_splits(loaded.config.data)['valid']
+  tokenizer = loaded.tokenizer
+  prompts = calibration.code_prompts(files, tokenizer, num_prompts, max_tokens=96, min_tokens=16)
+  if not prompts:
+    raise ValueError(f'no validation files to measure head accuracies on for tree="auto"; '
+                     'use tree="default" or "chain"')
+  acc = calibration.calibrate(loaded.model, [tokenizer.encode(p) for p in prompts],
+                              max_new_tokens=128, top_k=top_k, eos_id=tokenizer.eos_id,
+                              pad_id=tokenizer.pad_id)
+  table[key] = acc.tolist()
+  try:
+    path.write_text(json.dumps(table, indent=1))
+  except OSError:
+    pass  # A read-only workdir: measure again next time.
+  return acc

@@ -44,3 +44,82 @@ def test_missing_pieces_are_named(workdir, tmp_path):
   shutil.rmtree(copy / 'checkpoints')
   with pytest.raises(checkpointing.CheckpointError, match='holds no checkpoint'):
     mtp.load(copy)
+
+
+PROMPTS = ['def add(a, b):\n    return', 'import os\n', 'class Point:\n    def __init__(self']
+
+
+def test_generate_speculative_equals_autoregressive_greedy_across_batching(workdir):
+  loaded = mtp.load(workdir)
+  ar = mtp.generate(loaded, PROMPTS, max_new_tokens=12, decoder='autoregressive')
+  spec = mtp.generate(loaded, PROMPTS, max_new_tokens=12, batch_size=2)  # Batches 2 + 1.
+  assert [g.tokens for g in spec] == [g.tokens for g in ar]
+  for g, prompt in zip(spec, PROMPTS):
+    assert g.prompt == prompt
+    assert g.completion == loaded.tokenizer.decode(g.tokens)
+    assert g.num_prompt_tokens == len(loaded.tokenizer.encode(prompt))
+    assert len(g.accepted_histogram) == loaded.config.model.mtp_num_heads + 2
+    emitted = sum(j * c for j, c in enumerate(g.accepted_histogram))
+    assert sum(g.accepted_histogram) == g.num_steps and emitted + 1 == len(g.tokens)
+    assert g.mean_accepted == pytest.approx(emitted / max(g.num_steps, 1))
+    assert g.tokens_per_sec > 0 and g.finish_reason in ('eos', 'length')
+  assert all(g.mean_accepted == 1.0 or g.num_steps == 0 for g in ar)
+  # One prompt as a string; the static default tree gives the same tokens.
+  [one] = mtp.generate(workdir, PROMPTS[2], max_new_tokens=12, tree='default')
+  assert one.tokens == ar[2].tokens
+
+
+def test_generate_streams_the_same_text(workdir):
+  loaded = mtp.load(workdir)
+  pieces = {}
+  finished = []
+
+  def on_text(index, text, done):
+    pieces[index] = pieces.get(index, '') + text
+    if done:
+      finished.append(index)
+
+  out = mtp.generate(loaded, PROMPTS, max_new_tokens=12, batch_size=2, on_text=on_text,
+                     steps_per_chunk=1)
+  assert [pieces.get(i, '') for i in range(3)] == [g.completion for g in out]
+  assert sorted(finished) == [0, 1, 2]
+
+
+def test_generate_sampling_is_seeded(workdir):
+  loaded = mtp.load(workdir)
+  run = lambda seed: [g.tokens for g in mtp.generate(
+      loaded, PROMPTS[:2], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=seed)]
+  assert run(1) == run(1)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(prompts=['ok', '']), 'prompt 1 is empty'),
+    (dict(prompts=[]), 'prompts is empty'),
+    (dict(prompts=['x' * 250]), 'max_seq_len'),
+    (dict(temperature=-1.0), 'temperature'),
+    (dict(top_p=0.0), 'top_p'),
+    (dict(decoder='beam'), 'decoder must be one of'),
+    (dict(tree=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]), 'exceeds the number of MTP heads'),
+    (dict(tree='bushy'), 'tree must be one of'),
+    (dict(decoder='autoregressive', tree='default'), 'speculative decoder only'),
+    (dict(batch_size=0), 'batch_size'),
+])
+def test_generate_rejects_bad_input_before_compiling(workdir, kwargs, match):
+  loaded = mtp.load(workdir)
+  args = {'prompts': ['x = 1'], 'max_new_tokens': 10, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    mtp.generate(loaded, args.pop('prompts'), **args)
+
+
+def test_generate_auto_tree_measures_and_caches_accuracies(workdir, monkeypatch):
+  from mtp.decode import cost_model
+  # cost_model_test covers measuring the curve; a fixed one keeps this test fast.
+  curve = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 16: 3.0, 32: 6.0}
+  monkeypatch.setattr(cost_model, 'step_cost', lambda model, **kwargs: curve)
+  loaded = mtp.load(workdir)
+  ar = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, decoder='autoregressive')
+  [auto] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree='auto')
+  assert auto.tokens == ar[0].tokens
+  assert (workdir / 'head_accuracies.json').exists()
+  acc = mtp.api.head_accuracies(loaded)
+  assert acc.shape == (3, 4) and ((acc >= 0) & (acc <= 1)).all()
