@@ -1,0 +1,150 @@
+r"""Completes prompts with a trained model, writing one JSON object per prompt.
+
+  python -m launch.generate --workdir=workdirs/code_small --prompt='def fib(n):' \
+      --max_new_tokens=64 [--decoder=speculative|autoregressive] [--stream]
+  python -m launch.generate --workdir=DIR --prompt_file=prompts.jsonl --batch_size=8 \
+      --output=out.jsonl [--temperature=0.7 --top_p=0.9 --seed=1] [--tree=auto]
+
+A prompt file holds one {"prompt": "..."} per line (blank lines are skipped). Each output line
+has `prompt`, `completion`, `tokens`, `num_steps` (forward passes of the decode loop),
+`mean_accepted` (tokens per step), `accepted_histogram`, `tokens_per_sec` (excluding
+compilation), `seconds`, `num_prompt_tokens` and `finish_reason`; without --output they go to
+stdout. --stream prints each completion as its tokens are accepted (prompts in order).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('workdir', None, 'Trained workdir (checkpoints, config, tokenizer).')
+flags.DEFINE_string('prompt', None, 'One prompt.')
+flags.DEFINE_string('prompt_file', None, 'JSONL file, one {"prompt": "..."} per line.')
+flags.DEFINE_integer('max_new_tokens', 128, 'Tokens to generate per prompt at most.')
+flags.DEFINE_enum('decoder', 'speculative', ['speculative', 'autoregressive'], 'Decoder.')
+flags.DEFINE_float('temperature', 0.0, '0 = greedy; else sampling temperature.')
+flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens (0 = all).')
+flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass in (0, 1] (1 = all).')
+flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+flags.DEFINE_integer('batch_size', 1, 'Prompts decoded together.')
+flags.DEFINE_string('tree', None, 'Speculative candidates: chain (default), default, auto, or '
+                    'Medusa-style choices as JSON, e.g. "[[0], [1], [0, 0]]".')
+flags.DEFINE_string('output', None, 'JSONL file to write (default: stdout).')
+flags.DEFINE_bool('stream', False, 'Print completions as tokens are accepted.')
+flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps per host round trip when streaming.')
+flags.mark_flag_as_required('workdir')
+
+
+def read_prompt_file(path: str | pathlib.Path) -> list[str]:
+  """Prompts from a JSONL file of {"prompt": "..."} objects; errors name the line."""
+  prompts = []
+  with open(path, encoding='utf-8') as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}:{number}: not valid JSON ({e.msg}): {line.strip()[:80]!r}'
+                         ) from None
+      if not isinstance(record, dict) or not isinstance(record.get('prompt'), str):
+        raise ValueError(f'{path}:{number}: expected an object with a "prompt" string, got '
+                         f'{line.strip()[:80]!r}')
+      prompts.append(record['prompt'])
+  if not prompts:
+    raise ValueError(f'{path} holds no prompts')
+  return prompts
+
+
+def parse_tree(value: str | None):
+  """--tree: None, a name ('chain', 'default', 'auto') or JSON choices."""
+  if value is None or value in ('chain', 'default', 'auto'):
+    return value
+  try:
+    choices = json.loads(value)
+  except json.JSONDecodeError:
+    raise ValueError(f'--tree must be chain, default, auto or JSON choices like '
+                     f'"[[0], [1], [0, 0]]", got {value!r}') from None
+  if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
+    raise ValueError(f'--tree choices must be a JSON list of lists of ranks, got {value!r}')
+  return [tuple(c) for c in choices]
+
+
+class OrderedPrinter:
+  """Prints streamed text prompt by prompt in order: prompt i's text is live once prompts
+  before it have finished; text that arrives earlier waits until then."""
+
+  def __init__(self, prompts: list[str], out=None):
+    self._prompts, self._out = prompts, out or sys.stdout
+    self._pending = [''] * len(prompts)
+    self._finished = [False] * len(prompts)
+    self._current = 0
+    self._started = False
+
+  def __call__(self, index: int, text: str, finished: bool) -> None:
+    self._pending[index] += text
+    self._finished[index] |= finished
+    while self._current < len(self._prompts):
+      i = self._current
+      if not self._started:
+        self._out.write(f'=== prompt {i} ===\n{self._prompts[i]}')
+        self._started = True
+      self._out.write(self._pending[i])
+      self._pending[i] = ''
+      if not self._finished[i]:
+        break
+      self._out.write('\n')
+      self._current += 1
+      self._started = False
+    self._out.flush()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if (FLAGS.prompt is None) == (FLAGS.prompt_file is None):
+    raise app.UsageError('Give exactly one of --prompt and --prompt_file.')
+  if not FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # Checkpoint restore logs would bury the output.
+  try:
+    prompts = ([FLAGS.prompt] if FLAGS.prompt is not None
+               else read_prompt_file(FLAGS.prompt_file))
+    tree = parse_tree(FLAGS.tree)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f'launch.generate: {e}') from None
+
+  import mtp  # After flag parsing: importing JAX is slow.
+  printer = OrderedPrinter(prompts) if FLAGS.stream else None
+  try:
+    generations = mtp.generate(
+        FLAGS.workdir, prompts, max_new_tokens=FLAGS.max_new_tokens, decoder=FLAGS.decoder,
+        temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
+        tree=tree, batch_size=FLAGS.batch_size, on_text=printer,
+        steps_per_chunk=FLAGS.steps_per_chunk)
+  except ValueError as e:  # Bad input, found before anything was compiled.
+    raise SystemExit(f'launch.generate: {e}') from None
+
+  lines = ''.join(json.dumps(g.to_json(), ensure_ascii=False) + '\n' for g in generations)
+  if FLAGS.output:
+    output = pathlib.Path(FLAGS.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(lines, encoding='utf-8')
+  elif not FLAGS.stream:
+    sys.stdout.write(lines)
+  total = sum(len(g.tokens) for g in generations)
+  # Rows of a batch share its wall time: count each batch once.
+  seconds = sum(g.seconds for g in generations[::FLAGS.batch_size])
+  steps = sum(g.num_steps for g in generations)
+  emitted = sum(g.mean_accepted * g.num_steps for g in generations)
+  print(f'{FLAGS.decoder}: {len(generations)} prompts, {total} tokens in {seconds:.2f}s '
+        f'({total / seconds:.1f} tokens/s), {emitted / max(steps, 1):.2f} tokens per loop step',
+        file=sys.stderr)
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,100 @@
+"""launch.generate end to end on a tiny model trained for 2 steps."""
+
+import json
+
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from configs import tiny
+from launch import generate
+from mtp.train import trainer as trainer_lib
+
+FLAGS = flags.FLAGS
+PROMPTS = ['def add(a, b):\n', 'import os\nimport sys\n', 'x = [']
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  path = tmp_path_factory.mktemp('generate')
+  config = tiny.get_config()
+  config.mesh.data = 1
+  config.num_train_steps = 2
+  config.eval_steps = 0
+  trainer_lib.train_and_evaluate(config, path)
+  return path
+
+
+def _run(argv):
+  FLAGS.unparse_flags()
+  FLAGS(['generate'] + argv)
+  generate.main(['generate'])
+
+
+def _read(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@flagsaver.flagsaver
+def test_prompt_file_both_decoders_same_greedy_output(workdir, tmp_path):
+  prompt_file = tmp_path / 'prompts.jsonl'
+  prompt_file.write_text(''.join(json.dumps({'prompt': p}) + '\n' for p in PROMPTS) + '\n')
+  outputs = {}
+  for decoder in ('autoregressive', 'speculative'):
+    outputs[decoder] = tmp_path / f'{decoder}.jsonl'
+    _run([f'--workdir={workdir}', f'--prompt_file={prompt_file}', '--max_new_tokens=10',
+          f'--decoder={decoder}', '--batch_size=2', f'--output={outputs[decoder]}'])
+  ar, spec = _read(outputs['autoregressive']), _read(outputs['speculative'])
+  assert [r['prompt'] for r in spec] == PROMPTS
+  assert [r['tokens'] for r in spec] == [r['tokens'] for r in ar]
+  for record in spec:
+    for key in ('completion', 'num_steps', 'mean_accepted', 'tokens_per_sec',
+                'accepted_histogram'):
+      assert key in record
+    assert record['tokens_per_sec'] > 0
+    assert 1 <= len(record['tokens']) <= 10
+
+
+@flagsaver.flagsaver
+def test_stream_prints_the_completion(workdir, tmp_path, capsys):
+  out = tmp_path / 'out.jsonl'
+  _run([f'--workdir={workdir}', '--prompt=def f(x):', '--max_new_tokens=12', '--stream',
+        '--steps_per_chunk=1', '--tree=[[0], [1], [0, 0]]', f'--output={out}'])
+  [record] = _read(out)
+  printed = capsys.readouterr().out
+  assert printed == f'=== prompt 0 ===\ndef f(x):{record["completion"]}\n'
+
+
+def test_printer_keeps_prompts_in_order():
+  lines = []
+
+  class Out:
+    write = lines.append
+
+    def flush(self):
+      pass
+
+  printer = generate.OrderedPrinter(['a', 'b'], Out())
+  printer(1, 'B1', False)  # Prompt 1's text waits for prompt 0 to finish.
+  printer(0, 'A1', False)
+  printer(1, 'B2', True)
+  printer(0, 'A2', True)
+  assert ''.join(lines) == '=== prompt 0 ===\naA1A2\n=== prompt 1 ===\nbB1B2\n'
+
+
+def test_malformed_prompt_file_names_the_line(tmp_path):
+  path = tmp_path / 'bad.jsonl'
+  path.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+  with pytest.raises(ValueError, match=r'bad.jsonl:2: expected an object with a "prompt"'):
+    generate.read_prompt_file(path)
+  path.write_text('{"prompt": "ok"}\n\n{"prompt": "unterminated\n')
+  with pytest.raises(ValueError, match=r'bad.jsonl:3: not valid JSON'):
+    generate.read_prompt_file(path)
+
+
+def test_tree_flag_parsing():
+  assert generate.parse_tree(None) is None
+  assert generate.parse_tree('auto') == 'auto'
+  assert generate.parse_tree('[[0], [0, 1]]') == [(0,), (0, 1)]
+  with pytest.raises(ValueError, match='JSON choices'):
+    generate.parse_tree('bushy')
