@@ -416,7 +416,8 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
       pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
       cache_capacity=cache_capacity, draft_hook=draft_hook, hook_data=hook_data, mesh=mesh)
   state = _start(prepared.structure, prepared.leaves, *args, settings)
-  state = _run(prepared.structure, prepared.leaves, state, jnp.int32(max_new_tokens), hook_data, settings)
+  state = _run(prepared.structure, prepared.leaves, state, jnp.int32(max_new_tokens), hook_data,
+               settings)
   return result(state, settings.max_new_tokens)
 
 
@@ -441,6 +442,6 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   # Host copies: the next `_run` donates (invalidates) the state's device buffers.
   yield jax.device_get(result(state, settings.max_new_tokens))
   while not bool(jnp.all(state.done)):
-    state = _run(prepared.structure, prepared.leaves, state, jnp.int32(steps_per_chunk), options['hook_data'],
-                 settings)
+    state = _run(prepared.structure, prepared.leaves, state, jnp.int32(steps_per_chunk),
+                 options['hook_data'], settings)
     yield jax.device_get(result(state, settings.max_new_tokens))
