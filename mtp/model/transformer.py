@@ -53,7 +53,7 @@ class TransformerConfig:
   param_dtype: str = 'float32'
   # Recompute activations in the backward pass instead of keeping them (training only):
   # 'none', 'heads' (the MTP heads' layers), or 'full' (trunk blocks too).
-  remat: str = 'heads'
+  remat: str = 'none'
 
   @classmethod
   def from_config(cls, model_config) -> 'TransformerConfig':
