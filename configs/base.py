@@ -11,6 +11,10 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # A workdir whose trunk (latest checkpoint) and tokenizer start a new run: heads on a
+  # pretrained model, frozen (optim.mode='frozen_trunk', Medusa-1) or fine-tuned with it
+  # (optim.mode='finetune', Medusa-2). Empty: train from scratch.
+  c.init_from = ''
 
   # Loop.
   c.num_train_steps = 1000

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import shutil
 import signal
 import time
 from typing import Any, Callable, Iterator
@@ -26,6 +27,7 @@ from flax import nnx
 
 from mtp.checkpoint import checkpointing
 from mtp.data import pipeline
+from mtp.data import tokenizer as tokenizer_lib
 from mtp.model import mtp_model
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import loss as loss_lib
@@ -200,6 +202,45 @@ def _prepare_tokenizer(config, workdir: pathlib.Path):
   return tokenizer
 
 
+def _adopt_tokenizer(source: pathlib.Path, workdir: pathlib.Path) -> None:
+  """A workdir initialised from another one starts with that workdir's tokenizer."""
+  target = workdir / tokenizer_lib.FILENAME
+  if jax.process_index() == 0 and not target.exists():
+    if not (source / tokenizer_lib.FILENAME).exists():
+      raise checkpointing.CheckpointError(f'init_from: {source / tokenizer_lib.FILENAME} does '
+                                          'not exist.')
+    shutil.copyfile(source / tokenizer_lib.FILENAME, target)
+  _sync('adopt-tokenizer')
+
+
+def _with_pretrained_trunk(params: nnx.State, source: str, trainer: Trainer) -> nnx.State:
+  """`params` with the trunk replaced by the one in workdir `source` (its latest step).
+
+  The source may have other heads or none; its trunk must have the same shape.
+  """
+  source_config = checkpointing.load_config(source)
+  source_model = mtp_model.ModelConfig.from_config(source_config.model)
+  if source_model.trunk != trainer.model_config.trunk:
+    raise ValueError(f'init_from: the trunk in {source} ({source_model.trunk}) does not match '
+                     f'the configured trunk ({trainer.model_config.trunk}).')
+  abstract = nnx.eval_shape(lambda: mtp_model.MTPModel(source_model, rngs=nnx.Rngs(0)))
+  _, abstract_params = nnx.split(abstract)
+  shardings = mesh_lib.state_shardings(abstract_params, trainer.mesh)
+  target = checkpointing.abstract_with_shardings(abstract_params, shardings)
+  checkpointer = checkpointing.Checkpointer(source, read_only=True)
+  try:
+    step = checkpointer.latest_step()
+    if step is None:
+      raise checkpointing.CheckpointError(f'init_from: {source} holds no checkpoint.')
+    restored, _ = checkpointer.restore(step, target)
+  finally:
+    checkpointer.close()
+  values = nnx.to_pure_dict(params)
+  values['trunk'] = nnx.to_pure_dict(restored)['trunk']
+  nnx.replace_by_pure_dict(params, values)
+  return params
+
+
 def _sync(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
@@ -246,6 +287,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   workdir.mkdir(parents=True, exist_ok=True)
   check_workdir_matches(workdir, config)
   checkpointing.save_config(workdir, config)
+  if config.get('init_from'):
+    _adopt_tokenizer(pathlib.Path(config.init_from), workdir)
   tokenizer = _prepare_tokenizer(config, workdir)
   cache_dir = workdir / 'data_cache'
   train_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'train', cache_dir)
@@ -268,6 +311,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                            trainer.state_shardings.step),
                        params=params, opt_state=opt_state)
     logging.info('Resumed from step %d in %s.', start_step, workdir)
+  elif config.get('init_from'):
+    state = trainer.init_state()
+    state = state.replace(params=_with_pretrained_trunk(state.params, config.init_from, trainer))
+    logging.info('Initialised the trunk from %s.', config.init_from)
   else:
     state = trainer.init_state()
   num_params = sum(x.size for x in jax.tree.leaves(state.params))

@@ -180,3 +180,24 @@ def test_missing_or_empty_corpus_is_named(tmp_path, corpus):
     directory.mkdir()
   with pytest.raises(ValueError, match=str(directory)):
     trainer_lib.train_and_evaluate(_config(**{'data.corpus': str(directory)}), tmp_path / 'w')
+
+
+def test_heads_on_a_pretrained_trunk_keep_it_frozen(trained_workdir, tmp_path):
+  """init_from + frozen_trunk (Medusa-1): new parallel heads train, the trunk is the source's."""
+  import mtp
+  config = _config(**{'init_from': str(trained_workdir), 'optim.mode': 'frozen_trunk',
+                      'model.mtp_head_type': 'parallel', 'model.mtp_num_heads': 2,
+                      'num_train_steps': 2, 'eval_steps': 0})
+  trainer_lib.train_and_evaluate(config, tmp_path)
+  source, tuned = mtp.load(trained_workdir), mtp.load(tmp_path)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(source.model.trunk),
+               nnx.state(tuned.model.trunk))
+  assert tuned.model.num_heads == 2
+  assert (tmp_path / 'tokenizer.json').read_text() == (trained_workdir /
+                                                       'tokenizer.json').read_text()
+
+
+def test_init_from_a_different_trunk_is_named(trained_workdir, tmp_path):
+  config = _config(**{'init_from': str(trained_workdir), 'model.num_layers': 3})
+  with pytest.raises(ValueError, match='does not match the configured trunk'):
+    trainer_lib.train_and_evaluate(config, tmp_path)
