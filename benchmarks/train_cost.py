@@ -2,9 +2,10 @@ r"""Training cost of multi-token heads, measured side by side in one run.
 
   python -m benchmarks.train_cost [--config=configs/code_small.py] [--steps=5]
 
-Compares one train step of the same trunk with no heads, with K heads of each family, and with
+Compares one train step of the same trunk with no heads, with K heads of each family, with
 K parallel heads but the naive loss (all heads' full-vocabulary logits at once, kept for the
-backward pass). Step time is the median of `--steps` timed steps after compilation; peak memory
+backward pass), and with the heads' losses computed at every 4th position
+(`mtp_head_loss_stride`). Step time is the median of `--steps` timed steps after compilation; peak memory
 is XLA's buffer assignment for the compiled step (arguments + outputs - aliased + temporaries),
 which does not depend on machine noise. Prints ratios against the no-head trunk and writes
 results/train_cost.json.
@@ -64,18 +65,23 @@ def main(argv):
   base = FLAGS.config
   mesh = mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=1))
   k = FLAGS.num_heads
-  variants = [('trunk only', 0, 'medusa', base.loss_chunk_size),
-              (f'{k} parallel heads', k, 'parallel', base.loss_chunk_size),
-              (f'{k} parallel heads, naive loss', k, 'parallel', 0),
-              (f'{k} medusa heads', k, 'medusa', base.loss_chunk_size),
-              (f'{k} sequential heads', k, 'sequential', base.loss_chunk_size),
-              ('trunk only, naive loss', 0, 'medusa', 0)]
+  chunk = base.loss_chunk_size
+  # (name, heads, family, loss chunk size (0 = naive), head loss stride)
+  variants = [('trunk only', 0, 'medusa', chunk, 1),
+              (f'{k} parallel heads', k, 'parallel', chunk, 1),
+              (f'{k} parallel heads, naive loss', k, 'parallel', 0, 1),
+              (f'{k} parallel heads, stride 4', k, 'parallel', chunk, 4),
+              (f'{k} medusa heads', k, 'medusa', chunk, 1),
+              (f'{k} medusa heads, stride 4', k, 'medusa', chunk, 4),
+              (f'{k} sequential heads', k, 'sequential', chunk, 1),
+              ('trunk only, naive loss', 0, 'medusa', 0, 1)]
   rows = []
-  for name, num_heads, head_type, chunk in variants:
+  for name, num_heads, head_type, chunk_size, stride in variants:
     config = base.copy_and_resolve_references()
     config.model.mtp_num_heads = num_heads
     config.model.mtp_head_type = head_type
-    config.loss_chunk_size = chunk
+    config.loss_chunk_size = chunk_size
+    config.mtp_head_loss_stride = stride
     seconds, peak, temp = measure(config, mesh, FLAGS.steps)
     rows.append(dict(variant=name, step_seconds=seconds, peak_bytes=peak, temp_bytes=temp))
     print(f'measured {name}: {seconds:.3f} s/step, peak {peak / 2**20:.1f} MiB', flush=True)

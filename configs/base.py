@@ -29,6 +29,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.mtp_loss_scaling_factor = 1.0
   c.mtp_head_weight_decay = 0.8
   c.loss_chunk_size = 1024  # tokens per cross-entropy chunk (bounds logits memory)
+  # Heads' losses at every n-th position (rotating with the step): divides the heads' output
+  # layer cost by n, which dominates with large vocabularies. 1 = every position.
+  c.mtp_head_loss_stride = 1
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 4096

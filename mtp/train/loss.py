@@ -147,7 +147,18 @@ class LossOutput(NamedTuple):
   metrics: dict[str, Array]
 
 
-def acceptance_proxy(predictions: Array, valid: Array) -> Array:
+def head_positions(seq_len: int, stride: int, offset) -> Array:
+  """Positions where the heads' losses are computed: offset, offset + stride, ... [seq_len // stride].
+
+  With stride 1 that is every position. A larger stride divides the heads' output-layer cost
+  (four full-vocabulary projections for four heads) by `stride`; rotating `offset` with the step
+  still covers every position over `stride` steps.
+  """
+  return offset % stride + stride * jnp.arange(seq_len // stride)
+
+
+def acceptance_proxy(trunk_predictions: Array, head_predictions: Array, positions: Array,
+                     trunk_valid: Array, head_valid: Array) -> Array:
   """Mean number of head drafts greedy speculation would accept, under teacher forcing.
 
   Head k's draft at t (for token t+1+k) counts as accepted when it equals the trunk's own
@@ -156,26 +167,29 @@ def acceptance_proxy(predictions: Array, valid: Array) -> Array:
   where the proxy and real decoding differ.
 
   Args:
-    predictions: [K+1, B, T] argmax of the trunk (0) and heads.
-    valid: [K+1, B, T] whether each head's label exists at t.
+    trunk_predictions: [B, T] the trunk's argmax at every position.
+    head_predictions: [K, B, P] heads' argmax at `positions` [P].
+    trunk_valid: [B, T] whether the next token exists at t.
+    head_valid: [K, B, P] whether head k's label exists at each of `positions`.
 
   Returns:
-    Scalar: mean accepted drafts per position over positions where the next token is valid.
+    Scalar: mean accepted drafts per position over `positions` where the next token is valid.
   """
-  num_heads = predictions.shape[0] - 1
-  t = predictions.shape[2]
-  still_accepting = valid[0]
-  accepted = jnp.zeros(predictions.shape[1:], jnp.float32)
-  for k in range(1, num_heads + 1):
-    trunk_later = jnp.pad(predictions[0][:, k:], ((0, 0), (0, min(k, t))), constant_values=-1)
-    still_accepting = still_accepting & valid[k] & (predictions[k] == trunk_later)
+  t = trunk_predictions.shape[1]
+  valid_here = trunk_valid[:, positions]
+  still_accepting = valid_here
+  accepted = jnp.zeros(valid_here.shape, jnp.float32)
+  for k in range(1, head_predictions.shape[0] + 1):
+    trunk_later = trunk_predictions[:, jnp.minimum(positions + k, t - 1)]
+    still_accepting = still_accepting & head_valid[k - 1] & (head_predictions[k - 1] ==
+                                                             trunk_later)
     accepted = accepted + still_accepting
-  count = jnp.maximum(jnp.sum(valid[0]), 1)
-  return jnp.sum(accepted * valid[0]) / count
+  return jnp.sum(accepted * valid_here) / jnp.maximum(jnp.sum(valid_here), 1)
 
 
 def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Array, *,
-             loss_scaling_factor: float, weights: list[float], chunk_size: int) -> LossOutput:
+             loss_scaling_factor: float, weights: list[float], chunk_size: int,
+             positions: Array | None = None) -> LossOutput:
   """The joint loss of the trunk and K heads.
 
   Args:
@@ -185,34 +199,44 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
     loss_scaling_factor: λ, the weight of the multi-token part.
     weights: K per-head weights w_k.
     chunk_size: tokens per cross-entropy chunk.
+    positions: [P] positions where the heads' losses count (`head_positions`); all if None.
+      The next-token loss always counts every position.
 
   Returns:
     LossOutput(total, metrics) with `ntp_loss`, `ntp_acc`, `head_k_loss`, `head_k_acc` for
     k = 1..K, `mtp_loss` (Σ_k w_k loss_k), `acceptance_proxy` and `num_tokens`.
   """
   num_outputs, b, t, d = hidden.shape
+  num_heads = num_outputs - 1
+  if positions is None:
+    positions = jnp.arange(t)
   labels, valid = zip(*(shifted_labels(tokens, segment_ids, 1 + k) for k in range(num_outputs)))
-  labels, valid = jnp.stack(labels), jnp.stack(valid)
-  counts = jnp.maximum(jnp.sum(valid, axis=(1, 2)), 1)
-  coefficients = jnp.asarray([1.0] + [loss_scaling_factor * w for w in weights[:num_outputs - 1]])
-  token_weights = valid * (coefficients / counts)[:, None, None]
+  # Trunk: every position. Heads: only `positions`.
+  labels = [labels[0]] + [l[:, positions] for l in labels[1:]]
+  valid = [valid[0]] + [v[:, positions] for v in valid[1:]]
+  x = [hidden[0].reshape(-1, d)] + [h[:, positions].reshape(-1, d) for h in hidden[1:]]
+  counts = [jnp.maximum(jnp.sum(v), 1) for v in valid]
+  coefficients = [1.0] + [loss_scaling_factor * w for w in weights[:num_heads]]
+  token_weights = [v.reshape(-1) * (c / n) for v, c, n in zip(valid, coefficients, counts)]
   total, loss, predictions = fused_cross_entropy(
-      hidden.reshape(-1, d), unembedding, labels.reshape(-1), token_weights.reshape(-1),
-      chunk_size)
-  loss = loss.reshape(num_outputs, b, t)
-  predictions = predictions.reshape(num_outputs, b, t)
-  per_head_loss = jnp.sum(loss * valid, axis=(1, 2)) / counts
-  per_head_acc = jnp.sum((predictions == labels) & valid, axis=(1, 2)) / counts
+      jnp.concatenate(x), unembedding, jnp.concatenate([l.reshape(-1) for l in labels]),
+      jnp.concatenate(token_weights), chunk_size)
+  sizes = np.cumsum([b * t] + [b * positions.shape[0]] * num_heads)[:-1]
+  loss = [part.reshape(v.shape) for part, v in zip(jnp.split(loss, sizes), valid)]
+  predictions = [part.reshape(v.shape) for part, v in zip(jnp.split(predictions, sizes), valid)]
 
-  metrics = {'ntp_loss': per_head_loss[0], 'ntp_acc': per_head_acc[0],
-             'num_tokens': jnp.sum(valid[0])}
+  metrics = {'num_tokens': jnp.sum(valid[0])}
   mtp_part = jnp.zeros((), jnp.float32)
-  for k in range(1, num_outputs):
-    metrics[f'head_{k}_loss'] = per_head_loss[k]
-    metrics[f'head_{k}_acc'] = per_head_acc[k]
-    mtp_part = mtp_part + weights[k - 1] * per_head_loss[k]
-  if num_outputs > 1:
+  for k in range(num_outputs):
+    head_loss = jnp.sum(loss[k] * valid[k]) / counts[k]
+    head_acc = jnp.sum((predictions[k] == labels[k]) & valid[k]) / counts[k]
+    name = 'ntp' if k == 0 else f'head_{k}'
+    metrics[f'{name}_loss'], metrics[f'{name}_acc'] = head_loss, head_acc
+    if k:
+      mtp_part = mtp_part + weights[k - 1] * head_loss
+  if num_heads:
     metrics['mtp_loss'] = mtp_part
-    metrics['acceptance_proxy'] = acceptance_proxy(predictions, valid)
+    metrics['acceptance_proxy'] = acceptance_proxy(
+        predictions[0], jnp.stack(predictions[1:]), positions, valid[0], jnp.stack(valid[1:]))
   metrics['loss'] = total
   return LossOutput(total=total, metrics=metrics)

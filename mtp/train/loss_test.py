@@ -106,21 +106,42 @@ def test_acceptance_proxy_counts_prefixes_that_agree_with_the_trunk():
   trunk = np.array([[10, 11, 12, 13, 14, 15]])
   head1 = np.array([[11, 12, 0, 14, 15, 0]])   # agrees at t = 0, 1, 3, 4
   head2 = np.array([[12, 0, 0, 15, 0, 0]])     # agrees at t = 0, 3
-  predictions = jnp.asarray(np.stack([trunk, head1, head2]))
-  valid = jnp.ones((3, 1, 6), bool)
+  heads = jnp.asarray(np.stack([head1, head2]))
+  valid = jnp.ones((1, 6), bool)
   # Accepted prefix lengths: t0: 2, t1: 1, t2: 0, t3: 2, t4: 1, t5: 0 (head 1 wants t6).
-  got = loss_lib.acceptance_proxy(predictions, valid)
+  got = loss_lib.acceptance_proxy(jnp.asarray(trunk), heads, jnp.arange(6), valid,
+                                  jnp.ones((2, 1, 6), bool))
   np.testing.assert_allclose(got, 6 / 6)
 
 
 def test_oracle_heads_have_full_acceptance():
   trunk = np.arange(20).reshape(1, 20)
   heads = [np.concatenate([trunk[:, k:], -np.ones((1, k), int)], 1) for k in (1, 2, 3)]
-  predictions = jnp.asarray(np.stack([trunk] + heads))
   valid = jnp.ones((4, 1, 20), bool)
   for k in range(4):  # head k's label t+1+k exists for t < 19 - k
     valid = valid.at[k, :, 19 - k:].set(False)
-  got = loss_lib.acceptance_proxy(predictions, valid)
+  got = loss_lib.acceptance_proxy(jnp.asarray(trunk), jnp.asarray(np.stack(heads)),
+                                  jnp.arange(20), valid[0], valid[1:])
   # Every position accepts as many heads as have labels there: min(3, 18 - t) for t < 19.
   expected = sum(min(3, max(0, 19 - 1 - t)) for t in range(19)) / 19
   np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_strided_head_positions_equal_the_loss_on_those_positions():
+  rng = np.random.default_rng(3)
+  hidden = jnp.asarray(rng.normal(size=(3, 2, 8, 5)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(5, 11)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, 11, (2, 8)), jnp.int32)
+  segments = jnp.ones((2, 8), jnp.int32)
+  positions = loss_lib.head_positions(8, 4, offset=5)
+  np.testing.assert_array_equal(positions, [1, 5])
+  out = loss_lib.mtp_loss(hidden, w, tokens, segments, loss_scaling_factor=1.0,
+                          weights=[1.0, 1.0], chunk_size=3, positions=positions)
+  full = loss_lib.mtp_loss(hidden, w, tokens, segments, loss_scaling_factor=1.0,
+                           weights=[1.0, 1.0], chunk_size=3)
+  np.testing.assert_allclose(out.metrics['ntp_loss'], full.metrics['ntp_loss'], rtol=1e-6)
+  logits = np.asarray(jnp.einsum('kbtd,dv->kbtv', hidden, w))
+  for k in (1, 2):
+    ces = [float(optax.softmax_cross_entropy_with_integer_labels(
+        logits[k, i, p], tokens[i, p + 1 + k])) for i in range(2) for p in (1, 5) if p + 1 + k < 8]
+    np.testing.assert_allclose(out.metrics[f'head_{k}_loss'], np.mean(ces), rtol=1e-5)

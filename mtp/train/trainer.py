@@ -57,6 +57,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   if config.mtp_loss_scaling_factor < 0:
     raise ValueError('mtp_loss_scaling_factor must be >= 0, got '
                      f'{config.mtp_loss_scaling_factor}.')
+  if not 1 <= config.mtp_head_loss_stride <= config.data.seq_len:
+    raise ValueError('mtp_head_loss_stride must be between 1 and data.seq_len, got '
+                     f'{config.mtp_head_loss_stride}.')
   if config.data.seq_len < 2:
     raise ValueError(f'data.seq_len must be at least 2, got {config.data.seq_len}.')
   if config.data.seq_len > config.model.max_seq_len:
@@ -116,12 +119,19 @@ class Trainer:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=self.optimizer.init(params))
 
-  def _loss(self, params: nnx.State, batch: dict[str, Array]):
+  def _loss(self, params: nnx.State, batch: dict[str, Array], step: Array | None = None):
+    """Training (step given) computes the heads' losses at every `mtp_head_loss_stride`-th
+    position, rotating with the step; evaluation (step None) at every position."""
     model = nnx.merge(self.graphdef, params)
     hidden = model(batch['tokens'], batch['positions'], batch['segment_ids'])
+    stride = self.config.mtp_head_loss_stride
+    positions = None
+    if step is not None and stride > 1:
+      positions = loss_lib.head_positions(batch['tokens'].shape[1], stride, step)
     out = loss_lib.mtp_loss(hidden, model.unembedding(), batch['tokens'], batch['segment_ids'],
                             loss_scaling_factor=self.config.mtp_loss_scaling_factor,
-                            weights=self.loss_weights, chunk_size=self.config.loss_chunk_size)
+                            weights=self.loss_weights, chunk_size=self.config.loss_chunk_size,
+                            positions=positions)
     return out.total, out.metrics
 
   def _train_step(self, state: TrainState, batch: dict[str, Array]):
@@ -130,7 +140,8 @@ class Trainer:
       # No gradient flows into the trunk, so its backward pass is never computed.
       params = jax.tree.map(lambda p, head: p if head else jax.lax.stop_gradient(p),
                             params, self._is_head)
-    (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+    (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch,
+                                                                        state.step)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     metrics['grad_norm'] = optax.global_norm(grads)

@@ -201,3 +201,16 @@ def test_init_from_a_different_trunk_is_named(trained_workdir, tmp_path):
   config = _config(**{'init_from': str(trained_workdir), 'model.num_layers': 3})
   with pytest.raises(ValueError, match='does not match the configured trunk'):
     trainer_lib.train_and_evaluate(config, tmp_path)
+
+
+def test_head_loss_stride_still_learns_every_offset():
+  config = _config(**{'model.vocab_size': 32, 'num_train_steps': 120, 'optim.warmup_steps': 10,
+                      'optim.learning_rate': 1e-2, 'mtp_head_loss_stride': 4})
+  trainer = trainer_lib.Trainer(config, _single_device_mesh())
+  state = trainer.init_state()
+  for step in range(config.num_train_steps):
+    batch = mesh_lib.shard_batch(_counting_batch(8, 32, 32, step), trainer.mesh)
+    state, _ = trainer.train_step(state, batch)
+  metrics = trainer.evaluate(state.params, [_counting_batch(8, 32, 32, 10_000)])
+  for k in (1, 2, 3):
+    assert metrics[f'head_{k}_acc'] > 0.95, (k, metrics)
