@@ -43,17 +43,22 @@ def _single_device_mesh():
   return mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=1))
 
 
+def _train_on_counting(config):
+  """Trains on counting rows (vocabulary 32, length 32) and evaluates on unseen ones."""
+  trainer = trainer_lib.Trainer(config, _single_device_mesh())
+  state = trainer.init_state()
+  for step in range(config.num_train_steps):
+    batch = mesh_lib.shard_batch(_counting_batch(8, 32, 32, step), trainer.mesh)
+    state, _ = trainer.train_step(state, batch)
+  return trainer.evaluate(state.params, [_counting_batch(8, 32, 32, 10_000)])
+
+
 @pytest.mark.parametrize('head_type', ['medusa', 'parallel', 'sequential'])
 def test_head_k_learns_token_t_plus_1_plus_k(head_type):
   config = _config(**{'model.mtp_head_type': head_type, 'model.vocab_size': 32,
                       'num_train_steps': 120, 'optim.warmup_steps': 10,
                       'optim.learning_rate': 1e-2})
-  trainer = trainer_lib.Trainer(config, _single_device_mesh())
-  state = trainer.init_state()
-  for step in range(config.num_train_steps):
-    batch = mesh_lib.shard_batch(_counting_batch(8, 32, 32, step), trainer.mesh)
-    state, metrics = trainer.train_step(state, batch)
-  metrics = trainer.evaluate(state.params, [_counting_batch(8, 32, 32, 10_000)])
+  metrics = _train_on_counting(config)
   for k in (1, 2, 3):
     assert metrics[f'head_{k}_acc'] > 0.95, (k, metrics)
   assert metrics['ntp_acc'] > 0.95
@@ -206,11 +211,6 @@ def test_init_from_a_different_trunk_is_named(trained_workdir, tmp_path):
 def test_head_loss_stride_still_learns_every_offset():
   config = _config(**{'model.vocab_size': 32, 'num_train_steps': 120, 'optim.warmup_steps': 10,
                       'optim.learning_rate': 1e-2, 'mtp_head_loss_stride': 4})
-  trainer = trainer_lib.Trainer(config, _single_device_mesh())
-  state = trainer.init_state()
-  for step in range(config.num_train_steps):
-    batch = mesh_lib.shard_batch(_counting_batch(8, 32, 32, step), trainer.mesh)
-    state, _ = trainer.train_step(state, batch)
-  metrics = trainer.evaluate(state.params, [_counting_batch(8, 32, 32, 10_000)])
+  metrics = _train_on_counting(config)
   for k in (1, 2, 3):
     assert metrics[f'head_{k}_acc'] > 0.95, (k, metrics)
