@@ -178,6 +178,10 @@ class _Interval:
     return out
 
 
+# Model settings that change how it runs, not what its parameters are.
+_RUNTIME_MODEL_KEYS = frozenset({'remat', 'dtype'})
+
+
 def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
   """A workdir's saved model and tokenizer settings must match the config resuming it."""
   path = workdir / checkpointing.CONFIG_FILENAME
@@ -185,7 +189,7 @@ def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDi
     return
   saved = checkpointing.load_config(workdir)
   mismatched = [f'model.{k}: {saved.model[k]!r} in the workdir, {config.model[k]!r} now'
-                for k in config.model if k in saved.model and
+                for k in config.model if k in saved.model and k not in _RUNTIME_MODEL_KEYS and
                 _normalise(saved.model[k]) != _normalise(config.model[k])]
   for key in ('tokenizer', 'seq_len', 'corpus'):
     if _normalise(saved.data.get(key)) != _normalise(config.data.get(key)):

@@ -159,6 +159,11 @@ def test_workdir_mismatch_is_named(trained_workdir, overrides, message):
     trainer_lib.train_and_evaluate(_config(**overrides), trained_workdir)
 
 
+def test_runtime_model_settings_may_change_on_resume(trained_workdir):
+  config = _config(**{'num_train_steps': 2, 'eval_steps': 1, 'model.remat': 'full'})
+  trainer_lib.train_and_evaluate(config, trained_workdir)  # Nothing left to train; no error.
+
+
 def test_tokenizer_larger_than_the_model_vocabulary_is_named(tmp_path):
   with pytest.raises(ValueError, match='vocabulary does not match'):
     trainer_lib.train_and_evaluate(_config(**{'model.vocab_size': 200}), tmp_path)
