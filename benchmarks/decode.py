@@ -34,7 +34,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', 'workdirs/code_small', 'Trained workdir.')
 flags.DEFINE_list('workdirs', None, 'Several workdirs (e.g. one per head family): figures for '
                   'each and a side-by-side summary. Overrides --workdir.')
-flags.DEFINE_integer('num_prompts', 8, 'Held-out prompts.')
+flags.DEFINE_enum('prompt_source', 'heldout', ['heldout', 'valid'],
+                  'heldout: installed non-stdlib packages (another code style); valid: the '
+                  'training corpus\'s validation files (unseen files, the training style).')
+flags.DEFINE_integer('num_prompts', 8, 'Prompts.')
 flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as fit.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
 flags.DEFINE_list('batch_sizes', ['1', '8'], 'Batch sizes to measure.')
@@ -58,12 +61,17 @@ def measure_workdir(workdir: str) -> dict:
   model, tokenizer = loaded.model, loaded.tokenizer
   head_type, num_heads = model.cfg.mtp_head_type, model.num_heads
   print(f'\n== {workdir}: {num_heads} {head_type} heads, step {loaded.step}', flush=True)
-  prompts = calibration.code_prompts(corpora.heldout_files(), tokenizer, FLAGS.num_prompts,
+  if FLAGS.prompt_source == 'heldout':
+    files = corpora.heldout_files()
+  else:
+    # The half of the validation files that head_accuracies does not calibrate on.
+    files = corpora.corpus_splits(loaded.config.data)['valid'][1::2]
+  prompts = calibration.code_prompts(files, tokenizer, FLAGS.num_prompts,
                                      max_tokens=FLAGS.prompt_tokens,
                                      min_tokens=FLAGS.prompt_tokens // 2)
   prompt_lengths = [len(tokenizer.encode(p)) for p in prompts]
-  print(f'{len(prompts)} held-out prompts of {min(prompt_lengths)}-{max(prompt_lengths)} '
-        f'tokens, {FLAGS.max_new_tokens} new tokens each', flush=True)
+  print(f'{len(prompts)} {FLAGS.prompt_source} prompts of {min(prompt_lengths)}-'
+        f'{max(prompt_lengths)} tokens, {FLAGS.max_new_tokens} new tokens each', flush=True)
 
   accuracies = mtp.api.head_accuracies(loaded)
   print('head accuracies (rows: heads 1..D, columns: top-k rank, given the earlier drafts were '
@@ -128,7 +136,8 @@ def measure_workdir(workdir: str) -> dict:
     first, *others = [runs[b]['autoregressive'][0] for b in batch_sizes]
     batch_equal = all([g.tokens for g in first] == [g.tokens for g in o] for o in others)
   return dict(workdir=str(workdir), step=loaded.step, head_type=head_type, num_heads=num_heads,
-              num_prompts=len(prompts), prompt_tokens=prompt_lengths,
+              prompt_source=FLAGS.prompt_source, num_prompts=len(prompts),
+              prompt_tokens=prompt_lengths,
               max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats,
               head_accuracies=accuracies.tolist(),
               cost_curve={b: {k: {str(t): v for t, v in c.items()} for k, c in cost[b].items()}
@@ -146,7 +155,7 @@ def _tokens_per_sec(generations, batch_size: int) -> float:
 
 def print_table(result: dict) -> None:
   print(f'\n{result["workdir"]} ({result["num_heads"]} {result["head_type"]} heads, step '
-        f'{result["step"]}), {result["num_prompts"]} held-out prompts, greedy, '
+        f'{result["step"]}), {result["num_prompts"]} {result["prompt_source"]} prompts, greedy, '
         f'{result["max_new_tokens"]} new tokens, median of {result["repeats"]}')
   print(f'{"batch":>5}  {"decoder":<22} {"tok/step":>8} {"predicted":>9} {"T cost":>6} '
         f'{"tokens/s":>9} {"speedup":>7}  exact')

@@ -267,21 +267,22 @@ def _tree(loaded: LoadedModel, tree, batch_size: int):
 def head_accuracies(loaded: LoadedModel, num_prompts: int = 8, top_k: int = 4) -> np.ndarray:
   """[D, R] measured top-k accuracies of the heads (see `decode.calibration`), cached.
 
-  Measured on greedy continuations of prompts from the training corpus's validation files
-  (code the model did not train on), once per checkpoint step, and kept in
+  Measured on greedy continuations of prompts from every other file of the training corpus's
+  validation split (code the model did not train on), once per checkpoint step, and kept in
   `workdir/head_accuracies.json`.
   """
   from mtp.data import corpora
   from mtp.decode import calibration
   path = loaded.workdir / _ACCURACIES_FILE
-  key = f'step{loaded.step}-R{top_k}-n{num_prompts}'
+  key = f'step{loaded.step}-R{top_k}-n{num_prompts}-even'
   try:
     table = json.loads(path.read_text())
   except (OSError, ValueError):
     table = {}
   if key in table:
     return np.asarray(table[key])
-  files = corpora.corpus_splits(loaded.config.data)['valid']
+  # Every other validation file: the rest stays unseen by the calibration for evaluations.
+  files = corpora.corpus_splits(loaded.config.data)['valid'][::2]
   tokenizer = loaded.tokenizer
   prompts = calibration.code_prompts(files, tokenizer, num_prompts, max_tokens=96, min_tokens=16)
   if not prompts:
