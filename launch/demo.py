@@ -102,8 +102,9 @@ def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str) -
   print(f'  outputs matched token for token: {"yes" if all(matched) else "NO"} '
         f'({sum(matched)}/{len(matched)} prompts)')
   sample = spec[0]
-  print(f'\n  Sample (prompt tail, then the completion after >>>):\n'
-        f'{sample.prompt[-200:]}>>>{sample.completion}')
+  completion = ''.join(sample.completion.splitlines(True)[:12])  # A glimpse, not a page.
+  print(f'\n  Sample (the prompt\'s last lines, then the completion after >>>):\n'
+        f'{"".join(sample.prompt.splitlines(True)[-4:])}>>>{completion}')
   return all(matched)
 
 
