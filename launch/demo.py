@@ -18,6 +18,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+import launch
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/code_small.py', 'Training config file.')
 flags.DEFINE_string('workdir', 'workdirs/code_small', 'Training workdir (reused if trained).')
@@ -109,6 +111,7 @@ def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str) -
 
 
 def main(argv):
+  launch.quiet_library_logs()
   del argv
   import mtp
   from mtp.data import corpora

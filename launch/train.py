@@ -13,6 +13,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+import launch
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and the tokenizer go.')
@@ -25,6 +27,7 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  launch.quiet_library_logs()
   import jax  # After flags, so that XLA_FLAGS set by wrappers are honoured.
   if FLAGS.num_processes == -1:
     jax.distributed.initialize()

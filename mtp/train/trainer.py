@@ -343,6 +343,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   last_step = config.num_train_steps
   if stop_after_step is not None:
     last_step = min(last_step, stop_after_step)
+  if start_step >= last_step:
+    logging.info('%s is already trained to step %d (num_train_steps=%d).', workdir, start_step,
+                 config.num_train_steps)
   interval = None
   try:
     with _StopRequest() as stop:
