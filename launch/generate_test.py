@@ -6,9 +6,8 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-from configs import tiny
 from launch import generate
-from mtp.train import trainer as trainer_lib
+from mtp.train import testing
 
 FLAGS = flags.FLAGS
 PROMPTS = ['def add(a, b):\n', 'import os\nimport sys\n', 'x = [']
@@ -16,13 +15,7 @@ PROMPTS = ['def add(a, b):\n', 'import os\nimport sys\n', 'x = [']
 
 @pytest.fixture(scope='module')
 def workdir(tmp_path_factory):
-  path = tmp_path_factory.mktemp('generate')
-  config = tiny.get_config()
-  config.mesh.data = 1
-  config.num_train_steps = 2
-  config.eval_steps = 0
-  trainer_lib.train_and_evaluate(config, path)
-  return path
+  return testing.train_tiny_workdir(tmp_path_factory.mktemp('generate'))
 
 
 def _run(argv):

@@ -7,20 +7,13 @@ import numpy as np
 import pytest
 
 import mtp
-from configs import tiny
 from mtp.checkpoint import checkpointing
-from mtp.train import trainer as trainer_lib
+from mtp.train import testing
 
 
 @pytest.fixture(scope='module')
 def workdir(tmp_path_factory):
-  path = tmp_path_factory.mktemp('api')
-  config = tiny.get_config()
-  config.mesh.data = 1
-  config.num_train_steps = 2
-  config.eval_steps = 0
-  trainer_lib.train_and_evaluate(config, path)
-  return path
+  return testing.train_tiny_workdir(tmp_path_factory.mktemp('api'))
 
 
 def test_load_returns_the_trained_model_and_tokenizer(workdir):

@@ -235,7 +235,8 @@ def _with_pretrained_trunk(params: nnx.State, source: str, trainer: Trainer) -> 
   """
   source_config = checkpointing.load_config(source)
   source_model = mtp_model.ModelConfig.from_config(source_config.model)
-  if source_model.trunk != trainer.model_config.trunk:
+  runtime = {k: getattr(trainer.model_config.trunk, k) for k in _RUNTIME_MODEL_KEYS}
+  if dataclasses.replace(source_model.trunk, **runtime) != trainer.model_config.trunk:
     raise ValueError(f'init_from: the trunk in {source} ({source_model.trunk}) does not match '
                      f'the configured trunk ({trainer.model_config.trunk}).')
   abstract = nnx.eval_shape(lambda: mtp_model.MTPModel(source_model, rngs=nnx.Rngs(0)))
