@@ -22,6 +22,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+import launch
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Trained workdir (checkpoints, config, tokenizer).')
 flags.DEFINE_string('prompt', None, 'One prompt.')
@@ -110,6 +112,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if (FLAGS.prompt is None) == (FLAGS.prompt_file is None):
     raise app.UsageError('Give exactly one of --prompt and --prompt_file.')
+  launch.quiet_library_logs()
   if not FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Checkpoint restore logs would bury the output.
   try:
