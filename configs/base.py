@@ -33,6 +33,17 @@ def get_config() -> ml_collections.ConfigDict:
   # layer cost by n, which dominates with large vocabularies. 1 = every position.
   c.mtp_head_loss_stride = 1
 
+  # Heads on a pretrained trunk (`init_from`): what they learn from and how the trunk runs.
+  c.distill = ml_collections.ConfigDict()
+  # 'text': the corpus's own next tokens. 'teacher': self-distillation, the init_from trunk's
+  # greedy next token at every position (what greedy verification accepts; no labels needed).
+  c.distill.targets = 'text'
+  # optim.mode='frozen_trunk' only: run the trunk once over the training rows, keep its last
+  # hidden state (float32, D values per token, under workdir/trunk_cache) and train the heads
+  # on it, so a step costs the heads alone. Single-process runs.
+  c.distill.cache_trunk_states = False
+  c.distill.batch_size = 8         # rows per trunk pass while building that cache
+
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 4096
   c.model.embed_dim = 256

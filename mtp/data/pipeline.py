@@ -171,9 +171,9 @@ def load_or_build_split(data_config: Any, tokenizer: tokenizer_lib.Tokenizer, sp
 def _check_batching(arrays: Mapping[str, np.ndarray], global_batch_size: int,
                     process_index: int, process_count: int, split: str) -> int:
   """Validates the arguments and returns the per-process batch size."""
-  shapes = {k: np.shape(v) for k, v in arrays.items()}
+  shapes = {k: np.shape(v)[:2] for k, v in arrays.items()}  # Features may follow.
   if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()), ())) != 2:
-    raise ValueError(f'Arrays must all have one shape [rows, seq_len], got {shapes}.')
+    raise ValueError(f'Arrays must all start with one shape [rows, seq_len], got {shapes}.')
   if global_batch_size <= 0:
     raise ValueError(f'global_batch_size must be positive, got {global_batch_size}.')
   if process_count <= 0 or not 0 <= process_index < process_count:

@@ -131,6 +131,21 @@ class MTPModel(nnx.Module):
     if segment_ids is None:
       segment_ids = jnp.ones(tokens.shape, jnp.int32)
     hidden, _ = self.trunk(tokens, positions, segment_ids)
+    return self.outputs_from_trunk(hidden, tokens, positions, segment_ids)
+
+  def outputs_from_trunk(self, hidden: Array, tokens: Array, positions: Array,
+                         segment_ids: Array) -> Array:
+    """The training forward after the trunk: its final norm, then the heads.
+
+    Training heads on a frozen trunk can cache the trunk's `hidden` once and start here.
+
+    Args:
+      hidden: [B, T, D] the trunk's last hidden state (before the final norm).
+      tokens, positions, segment_ids: [B, T] as for `__call__`.
+
+    Returns:
+      [K+1, B, T, D] as `__call__`.
+    """
     normed = self.trunk.final_norm(hidden)
     outputs = [normed]
     if self.heads is not None:

@@ -32,6 +32,7 @@ from mtp.model import mtp_model
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import loss as loss_lib
 from mtp.train import optim
+from mtp.train import trunk_cache
 from mtp.train import writers
 
 Array = jax.Array
@@ -65,6 +66,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   if config.data.seq_len > config.model.max_seq_len:
     raise ValueError(f'data.seq_len ({config.data.seq_len}) exceeds the model\'s maximum '
                      f'sequence length model.max_seq_len ({config.model.max_seq_len}).')
+  _validate_distill(config)
   if config.data.tokenizer not in ('bpe', 'byte'):
     raise ValueError(f"data.tokenizer must be 'bpe' or 'byte', got {config.data.tokenizer!r}.")
   if num_devices is not None:
@@ -73,6 +75,32 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if config.data.batch_size % shards:
       raise ValueError(f'data.batch_size ({config.data.batch_size}) must be divisible by the '
                        f'mesh\'s data x fsdp size ({shards}).')
+
+
+def _validate_distill(config: ml_collections.ConfigDict) -> None:
+  distill = config.get('distill')
+  if distill is None:
+    return
+  if distill.targets not in ('text', 'teacher'):
+    raise ValueError(f"distill.targets must be 'text' or 'teacher', got {distill.targets!r}.")
+  if distill.targets == 'teacher' and not config.get('init_from'):
+    raise ValueError("distill.targets='teacher' needs init_from: the pretrained workdir whose "
+                     'trunk is the teacher.')
+  if distill.cache_trunk_states:
+    if config.optim.mode != 'frozen_trunk' or not config.get('init_from'):
+      raise ValueError('distill.cache_trunk_states needs optim.mode=\'frozen_trunk\' and '
+                       f'init_from (got mode {config.optim.mode!r}, init_from '
+                       f'{config.get("init_from")!r}): only a frozen trunk\'s states can be '
+                       'reused.')
+    if jax.process_count() > 1:
+      raise ValueError('distill.cache_trunk_states runs in a single process only.')
+  if distill.batch_size <= 0:
+    raise ValueError(f'distill.batch_size must be positive, got {distill.batch_size}.')
+
+
+def _uses_trunk_cache(config: ml_collections.ConfigDict) -> bool:
+  distill = config.get('distill')
+  return distill is not None and (distill.targets == 'teacher' or distill.cache_trunk_states)
 
 
 class Trainer:
@@ -123,12 +151,17 @@ class Trainer:
     """Training (step given) computes the heads' losses at every `mtp_head_loss_stride`-th
     position, rotating with the step; evaluation (step None) at every position."""
     model = nnx.merge(self.graphdef, params)
-    hidden = model(batch['tokens'], batch['positions'], batch['segment_ids'])
+    if trunk_cache.HIDDEN in batch:  # The frozen trunk ran once, ahead of training.
+      hidden = model.outputs_from_trunk(batch[trunk_cache.HIDDEN], batch['tokens'],
+                                        batch['positions'], batch['segment_ids'])
+    else:
+      hidden = model(batch['tokens'], batch['positions'], batch['segment_ids'])
+    labels = batch.get(trunk_cache.TARGETS, batch['tokens'])
     stride = self.config.mtp_head_loss_stride
     positions = None
     if step is not None and stride > 1:
       positions = loss_lib.head_positions(batch['tokens'].shape[1], stride, step)
-    out = loss_lib.mtp_loss(hidden, model.unembedding(), batch['tokens'], batch['segment_ids'],
+    out = loss_lib.mtp_loss(hidden, model.unembedding(), labels, batch['segment_ids'],
                             loss_scaling_factor=self.config.mtp_loss_scaling_factor,
                             weights=self.loss_weights, chunk_size=self.config.loss_chunk_size,
                             positions=positions)
@@ -257,6 +290,36 @@ def _with_pretrained_trunk(params: nnx.State, source: str, trainer: Trainer) -> 
   return params
 
 
+def _with_trunk_cache(config, workdir: pathlib.Path, trainer: Trainer,
+                      arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The training rows plus what `distill` asks of the init_from trunk (built once)."""
+  source = pathlib.Path(config.init_from).absolute()
+  checkpointer = checkpointing.Checkpointer(source, read_only=True)
+  try:
+    source_step = checkpointer.latest_step()
+  finally:
+    checkpointer.close()
+  store_hidden = bool(config.distill.cache_trunk_states)
+  description = f'{trainer.model_config.trunk}|{source}|step {source_step}'
+  directory = (workdir / 'trunk_cache' /
+               trunk_cache.cache_key(arrays, description, store_hidden))
+  names = [trunk_cache.TARGETS] + ([trunk_cache.HIDDEN] if store_hidden else [])
+  if all((directory / f'{name}.npy').exists() for name in names):
+    cached = trunk_cache.load(directory, names)
+  else:
+    # The teacher is always the source's trunk, also when resuming a fine-tuned one.
+    params = _with_pretrained_trunk(trainer.init_state().params, config.init_from, trainer)
+    forward = functools.partial(trunk_cache.trunk_forward(trainer.graphdef), params)
+    logging.info('One pass of the trunk of %s over %d training rows -> %s.', source,
+                 arrays['tokens'].shape[0], directory)
+    cached = trunk_cache.build(arrays, forward, directory, batch_size=config.distill.batch_size,
+                               store_hidden=store_hidden)
+    del params
+  if config.distill.targets != 'teacher':
+    del cached[trunk_cache.TARGETS]
+  return {**arrays, **cached}
+
+
 def _sync(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
@@ -312,6 +375,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   mesh = mesh_lib.make_mesh(config.mesh)
   trainer = Trainer(config, mesh)
+  if _uses_trunk_cache(config):
+    train_arrays = _with_trunk_cache(config, workdir, trainer, train_arrays)
   iterator = pipeline.make_train_iterator(train_arrays, config.data.batch_size, config.seed,
                                           jax.process_index(), jax.process_count())
   eval_batches = pipeline.make_eval_batches(valid_arrays, config.data.batch_size,

@@ -1,0 +1,86 @@
+"""Heads trained on cached frozen-trunk states, and self-distillation targets."""
+
+import numpy as np
+import pytest
+
+from mtp.train import testing
+from mtp.train import trainer as trainer_lib
+from mtp.train import trainer_test
+from mtp.train import trunk_cache
+from mtp.train import writers
+
+
+@pytest.fixture(scope='module')
+def trained_workdir(tmp_path_factory):
+  return testing.train_tiny_workdir(tmp_path_factory.mktemp('source'))
+
+
+def test_targets_put_the_trunks_prediction_at_t_plus_1():
+  tokens = np.array([[5, 6, 7, 8]], np.int32)
+  predictions = np.array([[16, 17, 18, 19]], np.int32)  # the trunk's next token at t = 0..3
+  np.testing.assert_array_equal(trunk_cache.targets_from_predictions(tokens, predictions),
+                                [[5, 16, 17, 18]])
+
+
+def _heads_config(source, **overrides):
+  return trainer_test._config(**{
+      'init_from': str(source), 'optim.mode': 'frozen_trunk', 'model.mtp_num_heads': 2,
+      'num_train_steps': 3, 'log_every_steps': 1, 'eval_steps': 0,
+      'data.max_corpus_bytes': 60_000, **overrides})
+
+
+def _losses(workdir):
+  return [(m['loss'], m['head_1_loss'], m['head_2_loss'])
+          for m in writers.read_metrics(workdir) if 'loss' in m]
+
+
+@pytest.mark.parametrize('head_type', ['medusa', 'sequential'])
+def test_cached_trunk_states_train_the_heads_as_the_trunk_would(trained_workdir, tmp_path,
+                                                                 head_type):
+  """Caching is an optimisation only: the same steps give the same losses."""
+  plain = _heads_config(trained_workdir, **{'model.mtp_head_type': head_type})
+  cached = _heads_config(trained_workdir, **{'model.mtp_head_type': head_type,
+                                             'distill.cache_trunk_states': True})
+  trainer_lib.train_and_evaluate(plain, tmp_path / 'plain')
+  trainer_lib.train_and_evaluate(cached, tmp_path / 'cached')
+  np.testing.assert_allclose(_losses(tmp_path / 'cached'), _losses(tmp_path / 'plain'),
+                             rtol=2e-5)
+  [directory] = (tmp_path / 'cached' / 'trunk_cache').iterdir()
+  assert sorted(p.name for p in directory.iterdir()) == ['targets.npy', 'trunk_hidden.npy']
+
+
+def test_teacher_targets_are_the_trunks_own_greedy_tokens(trained_workdir, tmp_path):
+  """With its own predictions as labels, the frozen trunk is right at every position."""
+  config = _heads_config(trained_workdir, **{'distill.targets': 'teacher',
+                                             'distill.cache_trunk_states': True})
+  metrics = trainer_lib.train_and_evaluate(config, tmp_path)
+  assert metrics['ntp_acc'] == 1.0
+  # A resumed or repeated run reuses the cache rather than running the trunk again.
+  [directory] = (tmp_path / 'trunk_cache').iterdir()
+  before = {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+  config.num_train_steps = 4
+  trainer_lib.train_and_evaluate(config, tmp_path)
+  assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == before
+
+
+def test_teacher_targets_also_guide_a_finetuned_trunk(trained_workdir, tmp_path):
+  """Medusa-2 with self-distillation: only the targets are cached, the trunk trains."""
+  config = _heads_config(trained_workdir, **{'distill.targets': 'teacher',
+                                             'optim.mode': 'finetune'})
+  trainer_lib.train_and_evaluate(config, tmp_path)
+  [directory] = (tmp_path / 'trunk_cache').iterdir()
+  assert [p.name for p in directory.iterdir()] == ['targets.npy']
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'distill.targets': 'teacher', 'init_from': ''}, 'needs init_from'),
+    ({'distill.targets': 'labels'}, "distill.targets must be 'text' or 'teacher'"),
+    ({'distill.cache_trunk_states': True, 'optim.mode': 'finetune'},
+     "only a frozen trunk's states can be reused"),
+    ({'distill.batch_size': 0}, 'distill.batch_size must be positive'),
+])
+def test_bad_distill_settings_are_named(trained_workdir, tmp_path, overrides, message):
+  config = _heads_config(trained_workdir, **overrides)
+  with pytest.raises(ValueError, match=message):
+    trainer_lib.train_and_evaluate(config, tmp_path / 'new')
+  assert not (tmp_path / 'new').exists()
