@@ -2,8 +2,10 @@
 
 Batch format (every batch is a dict of numpy int32 arrays, shape [global_batch // process_count,
 seq_len]):
-  tokens       token ids; each document ends with eos; the last row may end with pad (id 0).
-  segment_ids  1, 2, 3, ... for the document pieces within a row; 0 marks padding.
+  tokens       token ids; each document ends with eos; the last row may end with pad (the
+               tokenizer's pad_id, which may equal eos_id).
+  segment_ids  1, 2, 3, ... for the document pieces within a row; 0 marks padding (the loss and
+               the attention mask read padding from here, never from token ids).
   positions    position within the segment, 0 at every segment start (also at the start of a row
                whose document continues from the previous row).
 
@@ -142,6 +144,8 @@ def _cache_key(data_config: Any, tokenizer: tokenizer_lib.Tokenizer,
       'seq_len': int(data_config.seq_len),
       'max_corpus_bytes': int(data_config.max_corpus_bytes),
   }
+  if tokenizer.special_ids != tokenizer_lib.LEGACY_SPECIAL_IDS:  # eos ends every document.
+    desc['special_ids'] = dataclasses.astuple(tokenizer.special_ids)
   return hashlib.sha1(json.dumps(desc, sort_keys=True).encode('utf-8')).hexdigest()[:16]
 
 

@@ -273,3 +273,19 @@ def test_end_to_end_stdlib_slice(tmp_path):
   batch = next(pipeline.make_train_iterator(train, cfg.data.batch_size, cfg.seed))
   assert batch['tokens'].shape == (cfg.data.batch_size, cfg.data.seq_len)
   assert pipeline.make_eval_batches(valid, cfg.data.batch_size, cfg.eval_steps)
+
+
+def test_pad_equal_to_eos_is_masked_by_segment_ids():
+  # Pretrained tokenizers may pad with their eos id (SmolLM2: both 2). The loss and attention
+  # read padding from segment id 0, so the documents' own eos tokens still count as labels.
+  from mtp.train import loss as loss_lib
+  eos = 2
+  docs = [np.array([5, 6, eos], np.int32), np.array([7, eos], np.int32)]
+  out = pipeline.pack(docs, 4, pad_id=eos)
+  np.testing.assert_array_equal(out['tokens'], [[5, 6, eos, 7], [eos, eos, eos, eos]])
+  np.testing.assert_array_equal(out['segment_ids'], [[1, 1, 1, 2], [1, 0, 0, 0]])
+  labels, valid = loss_lib.shifted_labels(out['tokens'], out['segment_ids'], 1)
+  # Predicting each document's eos counts; nothing after the last document does.
+  np.testing.assert_array_equal(np.asarray(valid), [[True, True, False, False],
+                                                    [False, False, False, False]])
+  assert np.asarray(labels)[0, 1] == eos

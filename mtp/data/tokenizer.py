@@ -1,9 +1,14 @@
-"""Tokenizers: byte-level BPE (trained with HF `tokenizers`) and a plain byte tokenizer.
+"""Tokenizers: byte-level BPE (trained with HF `tokenizers`), a plain byte tokenizer, and
+pretrained models' own tokenizers.
 
-Both kinds are Hugging Face `tokenizers` models sharing one id layout for special tokens:
-pad=0, eos=1, bos=2. The byte tokenizer maps byte b to id b + 3 (vocab_size 259); a trained BPE
-tokenizer starts from the same 256-byte alphabet and adds merges, so any text round-trips:
-`decode(encode(x)) == x` (whitespace, indentation and unicode included).
+All are Hugging Face `tokenizers` models. The project's own kinds share one id layout for special
+tokens: pad=0, eos=1, bos=2. The byte tokenizer maps byte b to id b + 3 (vocab_size 259); a
+trained BPE tokenizer starts from the same 256-byte alphabet and adds merges, so any text
+round-trips: `decode(encode(x)) == x` (whitespace, indentation and unicode included).
+
+A pretrained tokenizer keeps its own special ids (SmolLM2: bos=1, eos=2, pad=2), saved beside
+`tokenizer.json` as `special_tokens.json`; a directory without that file uses the layout above.
+pad may equal eos: padding is marked by segment ids and lengths, never recognised by its id.
 
 Special-token strings occurring in the text (for example the literal `<eos>` in source code) are
 encoded as ordinary bytes, never as the special id.
@@ -12,7 +17,10 @@ encoded as ordinary bytes, never as the special id.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import dataclasses
 import functools
+import json
+import os
 import pathlib
 
 import numpy as np
@@ -24,6 +32,29 @@ SPECIAL_TOKENS = (PAD, EOS, BOS)  # ids 0, 1, 2
 NUM_BYTES = 256
 BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTES  # 259
 FILENAME = 'tokenizer.json'
+SPECIAL_IDS_FILENAME = 'special_tokens.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+  """Ids of the padding, end and beginning of sequence tokens (pad may equal eos)."""
+  pad_id: int = 0
+  eos_id: int = 1
+  bos_id: int = 2
+
+  @classmethod
+  def from_json(cls, text: str, path: str | os.PathLike = SPECIAL_IDS_FILENAME) -> SpecialIds:
+    try:
+      values = json.loads(text)
+      return cls(**{f.name: int(values[f.name]) for f in dataclasses.fields(cls)})
+    except (ValueError, TypeError, KeyError) as e:
+      raise ValueError(f'{path} must hold integer pad_id, eos_id and bos_id ({e!r}).') from e
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), indent=2) + '\n'
+
+
+LEGACY_SPECIAL_IDS = SpecialIds()  # <pad>, <eos>, <bos> = 0, 1, 2
 
 
 @functools.cache
@@ -40,6 +71,27 @@ def _byte_to_unicode() -> tuple[str, ...]:
       chars[b] = chr(NUM_BYTES + extra)
       extra += 1
   return tuple(chars[b] for b in range(NUM_BYTES))
+
+
+def byte_characters() -> tuple[str, ...]:
+  """The 256 characters byte-level BPE vocabularies spell bytes 0..255 with."""
+  return _byte_to_unicode()
+
+
+def byte_level_spelling(text: str) -> str:
+  """`text` as byte-level BPE vocabularies spell it: each UTF-8 byte as its stand-in character."""
+  chars = _byte_to_unicode()
+  return ''.join(chars[b] for b in text.encode('utf-8'))
+
+
+def is_byte_level_spelled(token: str) -> bool:
+  """Whether every character of `token` is a byte's stand-in (so BPE can produce it)."""
+  return set(token) <= _byte_alphabet()
+
+
+@functools.cache
+def _byte_alphabet() -> frozenset[str]:
+  return frozenset(_byte_to_unicode())
 
 
 def _byte_vocab() -> dict[str, int]:
@@ -59,17 +111,31 @@ def _configure(tok: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
 
 
 class Tokenizer:
-  """A thin wrapper around a HF `tokenizers.Tokenizer` with the project's id conventions."""
+  """A thin wrapper around a HF `tokenizers.Tokenizer` and its special ids.
 
-  def __init__(self, hf_tokenizer: tokenizers.Tokenizer):
+  Without `special_ids`, the tokenizer must follow the project's layout (<pad>, <eos>, <bos> at
+  0, 1, 2). `decode` skips the special ids and every token the HF tokenizer marks special.
+  """
+
+  def __init__(self, hf_tokenizer: tokenizers.Tokenizer, special_ids: SpecialIds | None = None):
     self._tok = hf_tokenizer
     self._tok.encode_special_tokens = True
-    for want, name in enumerate(SPECIAL_TOKENS):
-      got = self._tok.token_to_id(name)
-      if got != want:
-        raise ValueError(f'Tokenizer must map {name!r} to id {want}, got {got}.')
     self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-    self._kind = 'byte' if _is_byte_model(self._tok) else 'bpe'
+    if special_ids is None:
+      for want, name in enumerate(SPECIAL_TOKENS):
+        got = self._tok.token_to_id(name)
+        if got != want:
+          raise ValueError(f'Tokenizer must map {name!r} to id {want}, got {got}.')
+      special_ids = LEGACY_SPECIAL_IDS
+    for name, value in dataclasses.asdict(special_ids).items():
+      if not 0 <= value < self._vocab_size:
+        raise ValueError(f'{name} {value} is outside the tokenizer\'s {self._vocab_size} ids.')
+    self._special_ids = special_ids
+    self._kind = ('byte' if special_ids == LEGACY_SPECIAL_IDS and _is_byte_model(self._tok)
+                  else 'bpe')
+    marked = [i for i, t in self._tok.get_added_tokens_decoder().items() if t.special]
+    self._skipped = np.unique(np.asarray(
+        [*dataclasses.astuple(special_ids), *marked], np.int64))
 
   @property
   def hf_tokenizer(self) -> tokenizers.Tokenizer:
@@ -85,16 +151,20 @@ class Tokenizer:
     return self._vocab_size
 
   @property
+  def special_ids(self) -> SpecialIds:
+    return self._special_ids
+
+  @property
   def pad_id(self) -> int:
-    return 0
+    return self._special_ids.pad_id
 
   @property
   def eos_id(self) -> int:
-    return 1
+    return self._special_ids.eos_id
 
   @property
   def bos_id(self) -> int:
-    return 2
+    return self._special_ids.bos_id
 
   def encode(self, text: str) -> list[int]:
     """Ids of `text`, without bos/eos."""
@@ -116,25 +186,32 @@ class Tokenizer:
     return [np.asarray(ids, np.int32) for ids in self.encode_batch(texts)]
 
   def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-    """Text of `ids`; pad/bos/eos and ids outside the vocabulary are skipped.
+    """Text of `ids`; special ids (pad/bos/eos and the tokenizer's own) and ids outside the
+    vocabulary are skipped.
 
     Invalid UTF-8 (e.g. a multi-byte character cut in half) decodes to U+FFFD.
     """
     ids = np.asarray(ids, np.int64).reshape(-1)
-    ids = ids[(ids >= len(SPECIAL_TOKENS)) & (ids < self._vocab_size)]
+    ids = ids[(ids >= 0) & (ids < self._vocab_size) & ~np.isin(ids, self._skipped)]
     if self._kind == 'byte':
       data = (ids - len(SPECIAL_TOKENS)).astype(np.uint8).tobytes()
       return data.decode('utf-8', errors='replace')
     return self._tok.decode(ids.tolist(), skip_special_tokens=True)
 
   def save(self, directory: str | pathlib.Path) -> pathlib.Path:
-    """Writes `directory/tokenizer.json` (HF format) and returns its path."""
+    """Writes `directory/tokenizer.json` (HF format) and returns its path.
+
+    Special ids other than the project's layout go to `directory/special_tokens.json`.
+    """
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / FILENAME
-    tmp = path.with_suffix('.json.tmp')
-    tmp.write_text(self.to_json(), encoding='utf-8')
-    tmp.replace(path)
+    specials = directory / SPECIAL_IDS_FILENAME
+    if self._special_ids != LEGACY_SPECIAL_IDS:
+      _write_atomically(specials, self._special_ids.to_json())
+    elif specials.exists():
+      specials.unlink()
+    _write_atomically(path, self.to_json())
     return path
 
   def to_json(self) -> str:
@@ -143,16 +220,27 @@ class Tokenizer:
 
   @classmethod
   def load(cls, directory: str | pathlib.Path) -> Tokenizer:
-    """Reads `directory/tokenizer.json` (or the file itself if given a file path)."""
+    """Reads `directory/tokenizer.json` (or the file itself if given a file path) and the
+    `special_tokens.json` beside it, if any."""
     path = pathlib.Path(directory)
     if path.is_dir():
       path = path / FILENAME
     if not path.is_file():
       raise FileNotFoundError(f'No tokenizer file at {path}.')
-    return cls(tokenizers.Tokenizer.from_file(str(path)))
+    specials = path.with_name(SPECIAL_IDS_FILENAME)
+    special_ids = None
+    if specials.is_file():
+      special_ids = SpecialIds.from_json(specials.read_text(encoding='utf-8'), specials)
+    return cls(tokenizers.Tokenizer.from_file(str(path)), special_ids)
 
   def __repr__(self) -> str:
     return f'Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})'
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+  tmp.write_text(text, encoding='utf-8')
+  tmp.replace(path)
 
 
 def _encode_bytes(text: str) -> np.ndarray:

@@ -97,3 +97,31 @@ def test_load_missing(tmp_path):
 def test_vocab_too_small():
   with pytest.raises(ValueError, match='vocab_size=100 is too small'):
     tokenizer_lib.train_bpe(['abc'], 100)
+
+
+def test_configurable_special_ids_are_saved_beside_the_tokenizer(tmp_path, bpe):
+  import tokenizers
+  ids = tokenizer_lib.SpecialIds(pad_id=1, eos_id=1, bos_id=2)  # pad == eos, as SmolLM2
+  tok = tokenizer_lib.Tokenizer(tokenizers.Tokenizer.from_str(bpe.to_json()), ids)
+  assert (tok.pad_id, tok.eos_id, tok.bos_id) == (1, 1, 2) and tok.special_ids == ids
+  tok.save(tmp_path)
+  assert json.loads((tmp_path / 'special_tokens.json').read_text()) == {
+      'pad_id': 1, 'eos_id': 1, 'bos_id': 2}
+  loaded = tokenizer_lib.Tokenizer.load(tmp_path / 'tokenizer.json')
+  assert loaded.special_ids == ids
+  assert loaded.decode([2, *tok.encode('hi'), 1, 0]) == 'hi'  # <pad> is still marked special
+  # A directory without special_tokens.json keeps the project's layout (existing workdirs).
+  bpe.save(tmp_path)
+  assert not (tmp_path / 'special_tokens.json').exists()
+  assert tokenizer_lib.Tokenizer.load(tmp_path).special_ids == tokenizer_lib.LEGACY_SPECIAL_IDS
+
+
+def test_bad_special_ids(tmp_path, bpe):
+  import tokenizers
+  with pytest.raises(ValueError, match='eos_id 600 is outside'):
+    tokenizer_lib.Tokenizer(tokenizers.Tokenizer.from_str(bpe.to_json()),
+                            tokenizer_lib.SpecialIds(eos_id=600))
+  bpe.save(tmp_path)
+  (tmp_path / 'special_tokens.json').write_text('{"pad_id": 0}')
+  with pytest.raises(ValueError, match='special_tokens.json must hold integer'):
+    tokenizer_lib.Tokenizer.load(tmp_path)

@@ -251,12 +251,16 @@ def _prepare_tokenizer(config, workdir: pathlib.Path):
 
 
 def _adopt_tokenizer(source: pathlib.Path, workdir: pathlib.Path) -> None:
-  """A workdir initialised from another one starts with that workdir's tokenizer."""
+  """A workdir initialised from another one starts with that workdir's tokenizer (and its
+  special ids, for an imported pretrained model)."""
   target = workdir / tokenizer_lib.FILENAME
   if jax.process_index() == 0 and not target.exists():
     if not (source / tokenizer_lib.FILENAME).exists():
       raise checkpointing.CheckpointError(f'init_from: {source / tokenizer_lib.FILENAME} does '
                                           'not exist.')
+    specials = source / tokenizer_lib.SPECIAL_IDS_FILENAME
+    if specials.exists():  # First: whoever sees tokenizer.json sees its special ids too.
+      shutil.copyfile(specials, workdir / tokenizer_lib.SPECIAL_IDS_FILENAME)
     shutil.copyfile(source / tokenizer_lib.FILENAME, target)
   _sync('adopt-tokenizer')
 
