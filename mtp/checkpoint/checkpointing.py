@@ -84,6 +84,12 @@ class Checkpointer:
       items['data'] = pipeline.iterator_checkpoint_args(data_iterator)
     return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
 
+  def save_params(self, step: int, params) -> bool:
+    """Saves parameters alone (an imported model has no optimizer state or data position);
+    `restore` without an optimizer state reads them."""
+    return self._manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+                              force=True)
+
   def restore(self, step: int, abstract_params, abstract_opt_state=None, data_iterator=None):
     """Restores the given items at `step` into the shapes and shardings of the abstract trees.
 

