@@ -189,7 +189,7 @@ def acceptance_proxy(trunk_predictions: Array, head_predictions: Array, position
 
 def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Array, *,
              loss_scaling_factor: float, weights: list[float], chunk_size: int,
-             positions: Array | None = None) -> LossOutput:
+             positions: Array | None = None, trunk_is_teacher: bool = False) -> LossOutput:
   """The joint loss of the trunk and K heads.
 
   Args:
@@ -201,6 +201,9 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
     chunk_size: tokens per cross-entropy chunk.
     positions: [P] positions where the heads' losses count (`head_positions`); all if None.
       The next-token loss always counts every position.
+    trunk_is_teacher: the labels are the (frozen) trunk's own greedy tokens, so its loss is
+      constant: skip its output layer (no `ntp_*` metrics) and read its predictions from the
+      labels for the acceptance proxy.
 
   Returns:
     LossOutput(total, metrics) with `ntp_loss`, `ntp_acc`, `head_k_loss`, `head_k_acc` for
@@ -208,6 +211,8 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
   """
   num_outputs, b, t, d = hidden.shape
   num_heads = num_outputs - 1
+  if trunk_is_teacher and not num_heads:
+    raise ValueError('trunk_is_teacher leaves nothing to train without heads')
   if positions is None:
     positions = jnp.arange(t)
   labels, valid = zip(*(shifted_labels(tokens, segment_ids, 1 + k) for k in range(num_outputs)))
@@ -218,16 +223,21 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
   counts = [jnp.maximum(jnp.sum(v), 1) for v in valid]
   coefficients = [1.0] + [loss_scaling_factor * w for w in weights[:num_heads]]
   token_weights = [v.reshape(-1) * (c / n) for v, c, n in zip(valid, coefficients, counts)]
+  first = 1 if trunk_is_teacher else 0  # Outputs that go through the output layer.
   total, loss, predictions = fused_cross_entropy(
-      jnp.concatenate(x), unembedding, jnp.concatenate([l.reshape(-1) for l in labels]),
-      jnp.concatenate(token_weights), chunk_size)
-  sizes = np.cumsum([b * t] + [b * positions.shape[0]] * num_heads)[:-1]
-  loss = [part.reshape(v.shape) for part, v in zip(jnp.split(loss, sizes), valid)]
-  predictions = [part.reshape(v.shape) for part, v in zip(jnp.split(predictions, sizes), valid)]
+      jnp.concatenate(x[first:]), unembedding,
+      jnp.concatenate([l.reshape(-1) for l in labels[first:]]),
+      jnp.concatenate(token_weights[first:]), chunk_size)
+  sizes = np.cumsum([b * t] * (1 - first) + [b * positions.shape[0]] * num_heads)[:-1]
+  loss = [part.reshape(v.shape) for part, v in zip(jnp.split(loss, sizes), valid[first:])]
+  predictions = [part.reshape(v.shape)
+                 for part, v in zip(jnp.split(predictions, sizes), valid[first:])]
+  if trunk_is_teacher:
+    loss, predictions = [None] + loss, [labels[0]] + predictions
 
   metrics = {'num_tokens': jnp.sum(valid[0])}
   mtp_part = jnp.zeros((), jnp.float32)
-  for k in range(num_outputs):
+  for k in range(first, num_outputs):
     head_loss = jnp.sum(loss[k] * valid[k]) / counts[k]
     head_acc = jnp.sum((predictions[k] == labels[k]) & valid[k]) / counts[k]
     name = 'ntp' if k == 0 else f'head_{k}'

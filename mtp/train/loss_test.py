@@ -145,3 +145,26 @@ def test_strided_head_positions_equal_the_loss_on_those_positions():
     ces = [float(optax.softmax_cross_entropy_with_integer_labels(
         logits[k, i, p], tokens[i, p + 1 + k])) for i in range(2) for p in (1, 5) if p + 1 + k < 8]
     np.testing.assert_allclose(out.metrics[f'head_{k}_loss'], np.mean(ces), rtol=1e-5)
+
+
+def test_a_teacher_trunk_skips_its_own_loss_and_nothing_else():
+  """Labels = the trunk's greedy tokens: heads' losses, gradients and the proxy are unchanged."""
+  rng = np.random.default_rng(4)
+  hidden = jnp.asarray(rng.normal(size=(3, 2, 9, 5)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(5, 11)), jnp.float32)
+  greedy = np.argmax(np.asarray(hidden[0] @ w), axis=-1)
+  labels = jnp.asarray(np.concatenate([greedy[:, :1], greedy[:, :-1]], 1), jnp.int32)
+  segments = jnp.asarray([[1] * 9, [1] * 5 + [2] * 4], jnp.int32)
+
+  def run(h, trunk_is_teacher):
+    return loss_lib.mtp_loss(h, w, labels, segments, loss_scaling_factor=0.5,
+                             weights=[0.8, 0.64], chunk_size=4,
+                             trunk_is_teacher=trunk_is_teacher)
+
+  full, skipped = run(hidden, False), run(hidden, True)
+  assert full.metrics['ntp_acc'] == 1.0 and 'ntp_loss' not in skipped.metrics
+  for key in ('head_1_loss', 'head_2_acc', 'mtp_loss', 'acceptance_proxy'):
+    np.testing.assert_allclose(skipped.metrics[key], full.metrics[key], rtol=1e-6)
+  np.testing.assert_allclose(skipped.total, full.total - full.metrics['ntp_loss'], rtol=1e-6)
+  head_grad = lambda t: jax.grad(lambda h: run(h, t).total)(hidden)[1:]
+  np.testing.assert_allclose(head_grad(True), head_grad(False), rtol=1e-5, atol=1e-7)

@@ -117,6 +117,10 @@ class Trainer:
     self.optimizer = optim.make_optimizer(config.optim, config.num_train_steps, abstract_params)
     self._is_head = jax.tree.map(lambda g: g == 'heads', optim.param_groups(abstract_params))
     self.batch_sharding = mesh_lib.batch_sharding(mesh)
+    # A frozen trunk learning from its own greedy tokens has a constant loss: skip it.
+    distill = config.get('distill')
+    self._trunk_is_teacher = (config.optim.mode == 'frozen_trunk' and distill is not None
+                              and distill.targets == 'teacher')
     self.loss_weights = loss_lib.head_weights(self.model_config.mtp_num_heads,
                                               config.mtp_head_weight_decay)
 
@@ -164,7 +168,8 @@ class Trainer:
     out = loss_lib.mtp_loss(hidden, model.unembedding(), labels, batch['segment_ids'],
                             loss_scaling_factor=self.config.mtp_loss_scaling_factor,
                             weights=self.loss_weights, chunk_size=self.config.loss_chunk_size,
-                            positions=positions)
+                            positions=positions, trunk_is_teacher=self._trunk_is_teacher
+                            and trunk_cache.TARGETS in batch)
     return out.total, out.metrics
 
   def _train_step(self, state: TrainState, batch: dict[str, Array]):

@@ -54,8 +54,11 @@ class MetricWriter:
       if key != 'step':
         self._tb.add_scalar(key, value, step)
     if self._bar is not None and 'loss' in record:
-      self._bar.set_postfix(loss=f"{record['loss']:.3f}", ntp=f"{record['ntp_loss']:.3f}",
-                            tok_s=f"{record['tokens_per_sec']:,.0f}")
+      shown = {'loss': f"{record['loss']:.3f}"}
+      for key, name in (('ntp_loss', 'ntp'), ('acceptance_proxy', 'accept')):
+        if key in record:
+          shown[name] = f'{record[key]:.3f}'
+      self._bar.set_postfix(**shown, tok_s=f"{record['tokens_per_sec']:,.0f}")
 
   def advance(self) -> None:
     if self._bar is not None:
