@@ -78,12 +78,13 @@ def _fused_forward(x, unembedding, labels, weights, chunk_size):
   return jnp.sum(loss * weights), loss, predictions
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused(x, unembedding, labels, weights, chunk_size):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(x, unembedding, labels, weights, chunk_size, train_unembedding):
+  del train_unembedding
   return _fused_forward(x, unembedding, labels, weights, chunk_size)
 
 
-def _fused_fwd(x, unembedding, labels, weights, chunk_size):
+def _fused_fwd(x, unembedding, labels, weights, chunk_size, train_unembedding):
   n, d = x.shape
   xs, ys, ws = _chunks(x, labels, weights, chunk_size)
   vocab = unembedding.shape[1]
@@ -94,19 +95,22 @@ def _fused_fwd(x, unembedding, labels, weights, chunk_size):
     # d(sum_i w_i * loss_i) / d logits = w_i * (softmax - onehot(label)).
     dlogits = (jnp.exp(logits - lse[:, None]) - jax.nn.one_hot(yc, vocab)) * wc[:, None]
     grad_x = jnp.dot(dlogits.astype(xc.dtype), unembedding.astype(xc.dtype).T)
-    grad_w = grad_w + jnp.dot(xc.T.astype(jnp.float32), dlogits)
+    if train_unembedding:  # A frozen output layer skips a third of the matmuls.
+      grad_w = grad_w + jnp.dot(xc.T.astype(jnp.float32), dlogits)
     return grad_w, (loss, predictions, grad_x)
 
   grad_w, (loss, predictions, grad_x) = jax.lax.scan(
-      body, jnp.zeros((d, vocab), jnp.float32), (xs, ys, ws))
+      body, jnp.zeros((d, vocab) if train_unembedding else (), jnp.float32), (xs, ys, ws))
+  if not train_unembedding:
+    grad_w = jnp.zeros((d, vocab), jnp.float32)
   loss, predictions = loss.reshape(-1)[:n], predictions.reshape(-1)[:n]
   grad_x = grad_x.reshape(-1, d)[:n]
   out = (jnp.sum(loss * weights), loss, predictions)
   return out, (grad_x, grad_w.astype(unembedding.dtype), loss, labels)
 
 
-def _fused_bwd(chunk_size, residuals, cotangents):
-  del chunk_size
+def _fused_bwd(chunk_size, train_unembedding, residuals, cotangents):
+  del chunk_size, train_unembedding
   grad_x, grad_w, loss, labels = residuals
   g = cotangents[0]  # Only the weighted sum is differentiable; see fused_cross_entropy.
   label_cotangent = np.zeros(labels.shape, jax.dtypes.float0)
@@ -117,7 +121,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def fused_cross_entropy(x: Array, unembedding: Array, labels: Array, weights: Array,
-                        chunk_size: int) -> tuple[Array, Array, Array]:
+                        chunk_size: int, train_unembedding: bool = True
+                        ) -> tuple[Array, Array, Array]:
   """Weighted cross-entropy of x @ unembedding against labels, `chunk_size` tokens at a time.
 
   Args:
@@ -128,6 +133,8 @@ def fused_cross_entropy(x: Array, unembedding: Array, labels: Array, weights: Ar
     chunk_size: tokens per chunk: only [chunk_size, V] logits are live at once. 0 projects
       all tokens at once and lets autodiff keep the logits (the naive baseline, for
       comparisons).
+    train_unembedding: False when the output matrix is frozen: its gradient is zero and is
+      not computed.
 
   Returns:
     (sum_i weights_i * loss_i, differentiable; loss [N] float32 and predictions [N] int32,
@@ -138,7 +145,8 @@ def fused_cross_entropy(x: Array, unembedding: Array, labels: Array, weights: Ar
     loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
     return (jnp.sum(loss * weights), jax.lax.stop_gradient(loss),
             jnp.argmax(logits, axis=-1).astype(jnp.int32))
-  total, loss, predictions = _fused(x, unembedding, labels, weights, min(chunk_size, x.shape[0]))
+  total, loss, predictions = _fused(x, unembedding, labels, weights, min(chunk_size, x.shape[0]),
+                                    train_unembedding)
   return total, jax.lax.stop_gradient(loss), predictions
 
 
@@ -189,7 +197,8 @@ def acceptance_proxy(trunk_predictions: Array, head_predictions: Array, position
 
 def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Array, *,
              loss_scaling_factor: float, weights: list[float], chunk_size: int,
-             positions: Array | None = None, trunk_is_teacher: bool = False) -> LossOutput:
+             positions: Array | None = None, trunk_is_teacher: bool = False,
+             train_unembedding: bool = True) -> LossOutput:
   """The joint loss of the trunk and K heads.
 
   Args:
@@ -204,6 +213,7 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
     trunk_is_teacher: the labels are the (frozen) trunk's own greedy tokens, so its loss is
       constant: skip its output layer (no `ntp_*` metrics) and read its predictions from the
       labels for the acceptance proxy.
+    train_unembedding: False when the output matrix is frozen (with the trunk).
 
   Returns:
     LossOutput(total, metrics) with `ntp_loss`, `ntp_acc`, `head_k_loss`, `head_k_acc` for
@@ -227,7 +237,7 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
   total, loss, predictions = fused_cross_entropy(
       jnp.concatenate(x[first:]), unembedding,
       jnp.concatenate([l.reshape(-1) for l in labels[first:]]),
-      jnp.concatenate(token_weights[first:]), chunk_size)
+      jnp.concatenate(token_weights[first:]), chunk_size, train_unembedding)
   sizes = np.cumsum([b * t] * (1 - first) + [b * positions.shape[0]] * num_heads)[:-1]
   loss = [part.reshape(v.shape) for part, v in zip(jnp.split(loss, sizes), valid[first:])]
   predictions = [part.reshape(v.shape)

@@ -168,3 +168,16 @@ def test_a_teacher_trunk_skips_its_own_loss_and_nothing_else():
   np.testing.assert_allclose(skipped.total, full.total - full.metrics['ntp_loss'], rtol=1e-6)
   head_grad = lambda t: jax.grad(lambda h: run(h, t).total)(hidden)[1:]
   np.testing.assert_allclose(head_grad(True), head_grad(False), rtol=1e-5, atol=1e-7)
+
+
+def test_a_frozen_output_layer_gets_no_gradient_and_the_same_input_gradient():
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(10, 6)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(6, 13)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 13, 10), jnp.int32)
+  weights = jnp.asarray(rng.random(10), jnp.float32)
+  grads = lambda train: jax.grad(lambda x, w: loss_lib.fused_cross_entropy(
+      x, w, labels, weights, 4, train_unembedding=train)[0], argnums=(0, 1))(x, w)
+  (gx, gw), (gx_frozen, gw_frozen) = grads(True), grads(False)
+  np.testing.assert_allclose(gx_frozen, gx, rtol=1e-6)
+  assert np.abs(gw).max() > 0 and not np.any(gw_frozen)

@@ -169,7 +169,8 @@ class Trainer:
                             loss_scaling_factor=self.config.mtp_loss_scaling_factor,
                             weights=self.loss_weights, chunk_size=self.config.loss_chunk_size,
                             positions=positions, trunk_is_teacher=self._trunk_is_teacher
-                            and trunk_cache.TARGETS in batch)
+                            and trunk_cache.TARGETS in batch,
+                            train_unembedding=self.config.optim.mode != 'frozen_trunk')
     return out.total, out.metrics
 
   def _train_step(self, state: TrainState, batch: dict[str, Array]):
