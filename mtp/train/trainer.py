@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import shutil
 import signal
@@ -271,6 +272,19 @@ def _adopt_tokenizer(source: pathlib.Path, workdir: pathlib.Path) -> None:
   _sync('adopt-tokenizer')
 
 
+def _same_trunk(a, b) -> bool:
+  """Equal trunk settings; floats need only agree to float32 precision (1e-5 vs the float32
+  9.9999997e-06 read from a GGUF file are the same epsilon)."""
+  for field in dataclasses.fields(a):
+    x, y = getattr(a, field.name), getattr(b, field.name)
+    if isinstance(x, float) or isinstance(y, float):
+      if not math.isclose(x, y, rel_tol=1e-6):
+        return False
+    elif x != y:
+      return False
+  return True
+
+
 def _with_pretrained_trunk(params: nnx.State, source: str, trainer: Trainer) -> nnx.State:
   """`params` with the trunk replaced by the one in workdir `source` (its latest step).
 
@@ -279,7 +293,8 @@ def _with_pretrained_trunk(params: nnx.State, source: str, trainer: Trainer) -> 
   source_config = checkpointing.load_config(source)
   source_model = mtp_model.ModelConfig.from_config(source_config.model)
   runtime = {k: getattr(trainer.model_config.trunk, k) for k in _RUNTIME_MODEL_KEYS}
-  if dataclasses.replace(source_model.trunk, **runtime) != trainer.model_config.trunk:
+  if not _same_trunk(dataclasses.replace(source_model.trunk, **runtime),
+                     trainer.model_config.trunk):
     raise ValueError(f'init_from: the trunk in {source} ({source_model.trunk}) does not match '
                      f'the configured trunk ({trainer.model_config.trunk}).')
   abstract = nnx.eval_shape(lambda: mtp_model.MTPModel(source_model, rngs=nnx.Rngs(0)))
