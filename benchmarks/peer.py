@@ -417,10 +417,12 @@ def report_markdown(result: dict) -> str:
   """The settings, the table and the exactness checks."""
   exact = result['speculative_equals_autoregressive']
   same, total = result['autoregressive_equals_hf_greedy']
+  heads = (f'{result["num_heads"]} {result["head_type"]} heads' if result['num_heads'] else
+           'no heads')
   load = result['load_average']['start'][0]
   return (
       f'{pathlib.Path(result["gguf"]).name} in float32: mtp {result["workdir"]} '
-      f'({result["num_heads"]} {result["head_type"]} heads, step {result["step"]}) vs transformers '
+      f'({heads}, step {result["step"]}) vs transformers '
       f'{result["versions"]["transformers"]}; {result["num_prompts"]} prompts per kind, greedy, '
       f'{result["max_new_tokens"]} new tokens (EOS ignored), median of {result["repeats"]}; '
       f'{result["threads"]} torch threads on {result["cores"]} cores, load average {load:.1f} '
