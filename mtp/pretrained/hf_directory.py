@@ -72,7 +72,7 @@ def read_shape(config: dict[str, Any], path: pathlib.Path) -> llama.LlamaShape:
         head_dim=int(config.get('head_dim') or embed_dim // max(num_heads, 1)),
         mlp_dim=int(config['intermediate_size']),
         max_seq_len=int(config.get('max_position_embeddings', 2048)),
-        rope_theta=float(config.get('rope_theta', rope.get('rope_theta', 10_000.0))),
+        rope_theta=float(config.get('rope_theta') or rope.get('rope_theta') or 10_000.0),
         norm_eps=float(config.get('rms_norm_eps', 1e-6)),
         tie_embeddings=bool(config.get('tie_word_embeddings', False)))
   except KeyError as e:

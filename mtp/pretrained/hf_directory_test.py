@@ -114,3 +114,9 @@ def test_safetensors_interoperates_with_the_library(tmp_path):
   theirs = st.load_file(str(tmp_path / 'ours.safetensors'))
   for name, values in tensors.items():
     np.testing.assert_array_equal(theirs[name], values)
+
+
+def test_rope_theta_from_transformers_5_rope_parameters(tmp_path):
+  testing.write_hf_directory(tmp_path, testing.random_tensors(), config={
+      'rope_theta': None, 'rope_parameters': {'rope_type': 'default', 'rope_theta': 5e5}})
+  assert hf_directory.read(tmp_path).shape.rope_theta == 5e5
