@@ -39,7 +39,7 @@ def get_config():
   c.model.mtp_head_type = 'medusa'
 
   c.optim.mode = 'frozen_trunk'
-  c.optim.learning_rate = 1e-3
+  c.optim.learning_rate = 3e-3
   c.optim.warmup_steps = 10
   c.optim.weight_decay = 0.0
   c.distill.targets = 'teacher'
@@ -52,9 +52,9 @@ def get_config():
   c.data.batch_size = 8
   c.data.max_corpus_bytes = 240_000  # about 75k tokens: one pass of the trunk, ~6 minutes
 
-  c.num_train_steps = 100
+  c.num_train_steps = 150
   c.log_every_steps = 5
-  c.eval_every_steps = 100
+  c.eval_every_steps = 150
   c.eval_steps = 1
   c.checkpoint_every_steps = 25
   return c
