@@ -7,6 +7,9 @@ Layout of a workdir:
                          to a temporary directory and renamed when complete, so a crash never
                          leaves a half-written checkpoint under a step's name.
 
+Heads trained on a frozen pretrained trunk (`init_from` + `optim.mode='frozen_trunk'`) save
+only the heads: `base.json` then names the base workdir whose latest checkpoint holds the trunk.
+
 Restoring the latest checkpoint resumes training exactly. A checkpoint that cannot be read is
 reported by name and left untouched: nothing is written over it.
 """
@@ -26,6 +29,7 @@ from mtp.data import pipeline
 
 CONFIG_FILENAME = 'config.json'
 CHECKPOINT_DIRNAME = 'checkpoints'
+BASE_FILENAME = 'base.json'
 
 
 class CheckpointError(RuntimeError):
@@ -58,6 +62,29 @@ def load_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(json.loads(path.read_text()))
   except json.JSONDecodeError as e:
     raise CheckpointError(f'{path} is not valid JSON ({e}).') from e
+
+
+def write_base_reference(workdir: str | os.PathLike, base: str | os.PathLike) -> None:
+  """Records that the checkpoints hold heads only, on the trunk of workdir `base`."""
+  if jax.process_index() == 0:
+    write_json_atomically(pathlib.Path(workdir) / BASE_FILENAME,
+                          {'base_workdir': str(pathlib.Path(base).absolute()),
+                           'checkpoints_hold': 'heads'})
+
+
+def base_reference(workdir: str | os.PathLike) -> pathlib.Path | None:
+  """The base workdir holding the trunk, if the checkpoints hold heads only."""
+  path = pathlib.Path(workdir) / BASE_FILENAME
+  if not path.exists():
+    return None
+  try:
+    base = pathlib.Path(json.loads(path.read_text())['base_workdir'])
+  except (ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f'{path} is unreadable ({e}).') from e
+  if not (base / CONFIG_FILENAME).exists():
+    raise CheckpointError(f'{workdir} holds heads on the trunk of {base}, which is not an mtp '
+                          'workdir any more.')
+  return base
 
 
 class Checkpointer:

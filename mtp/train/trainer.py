@@ -345,6 +345,23 @@ def _with_trunk_cache(config, workdir: pathlib.Path, trainer: Trainer,
   return {**arrays, **cached}
 
 
+def _saves_heads_only(config) -> bool:
+  """A frozen pretrained trunk is already saved in its own workdir: keep only the heads."""
+  return bool(config.get('init_from')) and config.optim.mode == 'frozen_trunk'
+
+
+def _heads_of(params: nnx.State) -> nnx.State:
+  return nnx.State({'heads': params['heads']})
+
+
+def with_heads(params: nnx.State, heads: nnx.State) -> nnx.State:
+  """`params` with its heads replaced by those of `heads` (a state holding 'heads')."""
+  values = nnx.to_pure_dict(params)
+  values['heads'] = nnx.to_pure_dict(heads)['heads']
+  nnx.replace_by_pure_dict(params, values)
+  return params
+
+
 def _sync(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
@@ -393,6 +410,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   checkpointing.save_config(workdir, config)
   if config.get('init_from'):
     _adopt_tokenizer(pathlib.Path(config.init_from), workdir)
+  heads_only = _saves_heads_only(config)
+  if heads_only:
+    checkpointing.write_base_reference(workdir, config.init_from)
   tokenizer = _prepare_tokenizer(config, workdir)
   cache_dir = workdir / 'data_cache'
   train_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'train', cache_dir)
@@ -411,8 +431,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   start_step = checkpointer.latest_step() or 0
   if start_step:
     abstract = trainer.abstract_state_with_shardings()
-    params, opt_state = checkpointer.restore(start_step, abstract.params, abstract.opt_state,
-                                             iterator)
+    saved = _heads_of(abstract.params) if heads_only else abstract.params
+    params, opt_state = checkpointer.restore(start_step, saved, abstract.opt_state, iterator)
+    if heads_only:  # The frozen trunk comes from the base workdir, as it did at step 0.
+      params = with_heads(
+          _with_pretrained_trunk(trainer.init_state().params, config.init_from, trainer), params)
     state = TrainState(step=jax.device_put(jnp.asarray(start_step, jnp.int32),
                                            trainer.state_shardings.step),
                        params=params, opt_state=opt_state)
@@ -466,7 +489,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
           interval.start_time += time.perf_counter() - eval_start  # Not training time.
         writer.advance()
         if (step % config.checkpoint_every_steps == 0 or step == last_step or stop.requested):
-          checkpointer.save(step, state.params, state.opt_state, iterator, force=True)
+          checkpointer.save(step, _heads_of(state.params) if heads_only else state.params,
+                            state.opt_state, iterator, force=True)
         if stop.requested:
           break
   finally:

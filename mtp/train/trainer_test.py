@@ -222,3 +222,29 @@ def test_head_loss_stride_still_learns_every_offset():
   metrics = _train_on_counting(config)
   for k in (1, 2, 3):
     assert metrics[f'head_{k}_acc'] > 0.95, (k, metrics)
+
+
+def _dir_bytes(path):
+  return sum(p.stat().st_size for p in pathlib.Path(path).rglob('*') if p.is_file())
+
+
+def test_heads_on_a_frozen_trunk_are_saved_alone_and_resume_exactly(trained_workdir, tmp_path):
+  """The trunk stays in the base workdir (base.json names it); resuming is still exact."""
+  import mtp
+  config = _config(**{'init_from': str(trained_workdir), 'optim.mode': 'frozen_trunk',
+                      'num_train_steps': 4, 'log_every_steps': 1, 'eval_steps': 0,
+                      'checkpoint_every_steps': 2})
+  trainer_lib.train_and_evaluate(config, tmp_path / 'straight')
+  trainer_lib.train_and_evaluate(config, tmp_path / 'resumed', stop_after_step=2)
+  trainer_lib.train_and_evaluate(config, tmp_path / 'resumed')
+  losses = lambda w: [m['loss'] for m in writers.read_metrics(w) if 'loss' in m]
+  assert losses(tmp_path / 'resumed') == losses(tmp_path / 'straight')
+
+  assert checkpointing.base_reference(tmp_path / 'resumed') == trained_workdir.absolute()
+  heads_bytes = _dir_bytes(tmp_path / 'resumed' / 'checkpoints' / '4' / 'params')
+  full_bytes = _dir_bytes(trained_workdir / 'checkpoints' / '2' / 'params')
+  assert heads_bytes < full_bytes / 2, (heads_bytes, full_bytes)
+  loaded, source = mtp.load(tmp_path / 'resumed'), mtp.load(trained_workdir)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(loaded.model.trunk),
+               nnx.state(source.model.trunk))
+  assert loaded.model.num_heads == config.model.mtp_num_heads
