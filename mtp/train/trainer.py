@@ -354,7 +354,7 @@ def _heads_of(params: nnx.State) -> nnx.State:
   return nnx.State({'heads': params['heads']})
 
 
-def with_heads(params: nnx.State, heads: nnx.State) -> nnx.State:
+def _with_heads(params: nnx.State, heads: nnx.State) -> nnx.State:
   """`params` with its heads replaced by those of `heads` (a state holding 'heads')."""
   values = nnx.to_pure_dict(params)
   values['heads'] = nnx.to_pure_dict(heads)['heads']
@@ -434,7 +434,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     saved = _heads_of(abstract.params) if heads_only else abstract.params
     params, opt_state = checkpointer.restore(start_step, saved, abstract.opt_state, iterator)
     if heads_only:  # The frozen trunk comes from the base workdir, as it did at step 0.
-      params = with_heads(
+      params = _with_heads(
           _with_pretrained_trunk(trainer.init_state().params, config.init_from, trainer), params)
     state = TrainState(step=jax.device_put(jnp.asarray(start_step, jnp.int32),
                                            trainer.state_shardings.step),
