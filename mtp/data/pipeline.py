@@ -38,7 +38,7 @@ from mtp.data import tokenizer as tokenizer_lib
 
 Arrays = dict[str, np.ndarray]
 KEYS = ('tokens', 'segment_ids', 'positions')
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 def tokenize_documents(texts: Sequence[str],
@@ -101,11 +101,22 @@ def _split_files(data_config: Any, split: str) -> list[pathlib.Path]:
 
 
 def _read_capped(files: Sequence[pathlib.Path], max_bytes: int) -> list[str]:
-  """Texts of `files` in order, `max_bytes` UTF-8 bytes in all (last one cut); <= 0: no cap."""
+  """Texts of `files`, `max_bytes` UTF-8 bytes in all (last one cut); <= 0: every file in order.
+
+  A capped read takes the files in a fixed pseudo-random order (by a hash of each path below
+  their common folder), so a small cap samples the whole tree rather than its alphabetical
+  start, and the same files are chosen on every machine.
+  """
   if max_bytes <= 0:
     return [corpora.read_text(p) for p in files]
+  root = os.path.commonpath([str(p) for p in files]) if len(files) > 1 else ''
+
+  def rank(path: pathlib.Path) -> str:
+    relative = os.path.relpath(path, root) if root else path.name
+    return hashlib.sha1(pathlib.PurePath(relative).as_posix().encode()).hexdigest()
+
   texts, left = [], max_bytes
-  for path in files:
+  for path in sorted(files, key=rank):
     data = corpora.read_text(path).encode('utf-8')
     texts.append(data[:left].decode('utf-8', errors='ignore'))
     left -= len(data)

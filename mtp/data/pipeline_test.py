@@ -143,6 +143,22 @@ def test_max_corpus_bytes(corpus_config, tmp_path):
   assert (arrays['segment_ids'] > 0).sum() == num_bytes + len(texts)
 
 
+def test_a_capped_read_picks_the_same_files_wherever_the_tree_lies(tmp_path):
+  """The choice depends on paths below the tree's root only, not on its place or list order."""
+  chosen = []
+  for root, order in ((tmp_path / 'one', 1), (tmp_path / 'elsewhere' / 'two', -1)):
+    files = []
+    for i in range(40):
+      path = root / f'pkg{i % 4}' / f'module_{i:02d}.py'
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(f'# file {i}\n' + 'x = 1\n' * 20)
+      files.append(path)
+    texts = pipeline._read_capped(files[::order], 5 * len(files[0].read_bytes()))
+    chosen.append([t.splitlines()[0] for t in texts])
+  assert chosen[0] == chosen[1] and len(chosen[0]) == 5
+  assert chosen[0] != [f'# file {i}' for i in range(5)]  # spread, not the first five
+
+
 def test_missing_split_files(corpus_config, tmp_path):
   corpus_config.valid_fraction = 0.0
   with pytest.raises(ValueError, match="Split 'valid'.*no files"):
