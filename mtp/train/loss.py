@@ -156,7 +156,7 @@ class LossOutput(NamedTuple):
 
 
 def head_positions(seq_len: int, stride: int, offset) -> Array:
-  """Positions where the heads' losses are computed: offset, offset + stride, ... [seq_len // stride].
+  """Positions where the heads' losses count: offset, offset + stride, ... [seq_len // stride].
 
   With stride 1 that is every position. A larger stride divides the heads' output-layer cost
   (four full-vocabulary projections for four heads) by `stride`; rotating `offset` with the step
@@ -197,8 +197,8 @@ def acceptance_proxy(trunk_predictions: Array, head_predictions: Array, position
 
 def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Array, *,
              loss_scaling_factor: float, weights: list[float], chunk_size: int,
-             positions: Array | None = None, trunk_is_teacher: bool = False,
-             train_unembedding: bool = True) -> LossOutput:
+             positions: Array | None = None, head_mask: Array | None = None,
+             trunk_is_teacher: bool = False, train_unembedding: bool = True) -> LossOutput:
   """The joint loss of the trunk and K heads.
 
   Args:
@@ -210,6 +210,8 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
     chunk_size: tokens per cross-entropy chunk.
     positions: [P] positions where the heads' losses count (`head_positions`); all if None.
       The next-token loss always counts every position.
+    head_mask: [B, T] bool, where the heads' losses may count at all (None: everywhere); e.g.
+      only on a greedy continuation, not on the prompt it continues.
     trunk_is_teacher: the labels are the (frozen) trunk's own greedy tokens, so its loss is
       constant: skip its output layer (no `ntp_*` metrics) and read its predictions from the
       labels for the acceptance proxy.
@@ -228,6 +230,8 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
   labels, valid = zip(*(shifted_labels(tokens, segment_ids, 1 + k) for k in range(num_outputs)))
   # Trunk: every position. Heads: only `positions`.
   labels = [labels[0]] + [l[:, positions] for l in labels[1:]]
+  if head_mask is not None:
+    valid = valid[:1] + tuple(v & head_mask for v in valid[1:])
   valid = [valid[0]] + [v[:, positions] for v in valid[1:]]
   x = [hidden[0].reshape(-1, d)] + [h[:, positions].reshape(-1, d) for h in hidden[1:]]
   counts = [jnp.maximum(jnp.sum(v), 1) for v in valid]

@@ -9,7 +9,7 @@ import pytest
 from mtp.train import loss as loss_lib
 
 
-def _direct(hidden, w, tokens, segments, lam, weights):
+def _direct(hidden, w, tokens, segments, lam, weights, head_mask=None):
   """Full logits for every head at once, optax cross-entropy, explicit loops over positions."""
   k1, b, t, _ = hidden.shape
   logits = np.asarray(jnp.einsum('kbtd,dv->kbtv', hidden, w))
@@ -20,6 +20,8 @@ def _direct(hidden, w, tokens, segments, lam, weights):
       for j in range(t):
         target = j + 1 + k
         if target >= t or segments[i, j] == 0 or segments[i, target] != segments[i, j]:
+          continue
+        if k and head_mask is not None and not head_mask[i, j]:
           continue
         ce = optax.softmax_cross_entropy_with_integer_labels(logits[k, i, j], tokens[i, target])
         num += float(ce)
@@ -47,6 +49,30 @@ def test_loss_equals_direct_computation_with_packed_documents():
   for k in (1, 2, 3):
     np.testing.assert_allclose(out.metrics[f'head_{k}_loss'], losses[k], rtol=1e-5)
     np.testing.assert_allclose(out.metrics[f'head_{k}_acc'], accs[k], rtol=1e-6)
+
+
+def test_head_mask_keeps_the_heads_losses_off_masked_positions_only():
+  """A prompt's positions (mask False) count for the trunk, not for the heads."""
+  rng = np.random.default_rng(4)
+  k1, b, t, d, v = 3, 2, 10, 8, 13
+  hidden = jnp.asarray(rng.normal(size=(k1, b, t, d)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+  tokens = rng.integers(0, v, (b, t)).astype(np.int32)
+  segments = np.ones((b, t), np.int32)
+  head_mask = np.arange(t)[None, :] >= np.array([[3], [6]])
+  weights = loss_lib.head_weights(2, 0.8)
+  out = loss_lib.mtp_loss(hidden, w, jnp.asarray(tokens), jnp.asarray(segments),
+                          loss_scaling_factor=1.0, weights=weights, chunk_size=7,
+                          head_mask=jnp.asarray(head_mask))
+  total, losses, accs = _direct(hidden, w, tokens, segments, 1.0, weights, head_mask)
+  np.testing.assert_allclose(out.total, total, rtol=1e-5)
+  for k in (0, 1, 2):
+    name = 'ntp' if k == 0 else f'head_{k}'
+    np.testing.assert_allclose(out.metrics[f'{name}_loss'], losses[k], rtol=1e-5)
+    np.testing.assert_allclose(out.metrics[f'{name}_acc'], accs[k], rtol=1e-6)
+  unmasked = loss_lib.mtp_loss(hidden, w, jnp.asarray(tokens), jnp.asarray(segments),
+                               loss_scaling_factor=1.0, weights=weights, chunk_size=7)
+  assert not np.isclose(unmasked.metrics['head_1_loss'], out.metrics['head_1_loss'])
 
 
 @pytest.mark.parametrize('chunk_size', [4, 11, 0])

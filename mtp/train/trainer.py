@@ -78,15 +78,27 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                        f'mesh\'s data x fsdp size ({shards}).')
 
 
+# 'text': the corpus; 'teacher': the base trunk's greedy next token on the corpus; 'rollout': the
+# base trunk's greedy continuations of prompts cut from the corpus (see `trunk_cache`).
+DISTILL_TARGETS = ('text', 'teacher', 'rollout')
+
+
 def _validate_distill(config: ml_collections.ConfigDict) -> None:
   distill = config.get('distill')
   if distill is None:
     return
-  if distill.targets not in ('text', 'teacher'):
-    raise ValueError(f"distill.targets must be 'text' or 'teacher', got {distill.targets!r}.")
-  if distill.targets == 'teacher' and not config.get('init_from'):
-    raise ValueError("distill.targets='teacher' needs init_from: the pretrained workdir whose "
-                     'trunk is the teacher.')
+  if distill.targets not in DISTILL_TARGETS:
+    raise ValueError(f'distill.targets must be one of {DISTILL_TARGETS}, got '
+                     f'{distill.targets!r}.')
+  if distill.targets != 'text' and not config.get('init_from'):
+    raise ValueError(f"distill.targets={distill.targets!r} needs init_from: the pretrained "
+                     'workdir whose trunk is the teacher.')
+  if distill.targets == 'rollout':
+    if not 1 <= distill.get('prompt_len', 0) < config.data.seq_len:
+      raise ValueError('distill.prompt_len must be in [1, data.seq_len), got '
+                       f'{distill.get("prompt_len")} for seq_len {config.data.seq_len}.')
+    if jax.process_count() > 1:
+      raise ValueError("distill.targets='rollout' runs in a single process only.")
   if distill.cache_trunk_states:
     if config.optim.mode != 'frozen_trunk' or not config.get('init_from'):
       raise ValueError('distill.cache_trunk_states needs optim.mode=\'frozen_trunk\' and '
@@ -101,7 +113,7 @@ def _validate_distill(config: ml_collections.ConfigDict) -> None:
 
 def _uses_trunk_cache(config: ml_collections.ConfigDict) -> bool:
   distill = config.get('distill')
-  return distill is not None and (distill.targets == 'teacher' or distill.cache_trunk_states)
+  return distill is not None and (distill.targets != 'text' or distill.cache_trunk_states)
 
 
 class Trainer:
@@ -121,7 +133,7 @@ class Trainer:
     # A frozen trunk learning from its own greedy tokens has a constant loss: skip it.
     distill = config.get('distill')
     self._trunk_is_teacher = (config.optim.mode == 'frozen_trunk' and distill is not None
-                              and distill.targets == 'teacher')
+                              and distill.targets != 'text')
     self.loss_weights = loss_lib.head_weights(self.model_config.mtp_num_heads,
                                               config.mtp_head_weight_decay)
 
@@ -169,7 +181,8 @@ class Trainer:
     out = loss_lib.mtp_loss(hidden, model.unembedding(), labels, batch['segment_ids'],
                             loss_scaling_factor=self.config.mtp_loss_scaling_factor,
                             weights=self.loss_weights, chunk_size=self.config.loss_chunk_size,
-                            positions=positions, trunk_is_teacher=self._trunk_is_teacher
+                            positions=positions, head_mask=batch.get(trunk_cache.HEAD_MASK),
+                            trunk_is_teacher=self._trunk_is_teacher
                             and trunk_cache.TARGETS in batch,
                             train_unembedding=self.config.optim.mode != 'frozen_trunk')
     return out.total, out.metrics
@@ -316,31 +329,56 @@ def _with_pretrained_trunk(params: nnx.State, source: str, trainer: Trainer) -> 
 
 
 def _with_trunk_cache(config, workdir: pathlib.Path, trainer: Trainer,
-                      arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """The training rows plus what `distill` asks of the init_from trunk (built once)."""
+                      arrays: dict[str, np.ndarray], base_params: Callable[[], nnx.State],
+                      max_rows: int | None = None) -> dict[str, np.ndarray]:
+  """The rows plus what `distill` asks of the init_from trunk, built once under the workdir.
+
+  With distill.targets='rollout' the rows themselves are replaced: at most `max_rows` prompts
+  cut from them, each continued greedily by the trunk. `base_params` gives the parameters with
+  the base trunk (called only when something has to be built).
+  """
   source = pathlib.Path(config.init_from).absolute()
   checkpointer = checkpointing.Checkpointer(source, read_only=True)
   try:
     source_step = checkpointer.latest_step()
   finally:
     checkpointer.close()
-  store_hidden = bool(config.distill.cache_trunk_states)
+  distill = config.distill
+  store_hidden = bool(distill.cache_trunk_states)
   description = f'{trainer.model_config.trunk}|{source}|step {source_step}'
-  directory = (workdir / 'trunk_cache' /
-               trunk_cache.cache_key(arrays, description, store_hidden))
-  names = [trunk_cache.TARGETS] + ([trunk_cache.HIDDEN] if store_hidden else [])
+  hidden = [trunk_cache.HIDDEN] if store_hidden else []
+  if distill.targets == 'rollout':
+    prompts = trunk_cache.rollout_prompts(arrays, distill.prompt_len)[:max_rows]
+    seq_len = arrays['tokens'].shape[1]
+    key = trunk_cache.cache_key({'prompts': prompts}, f'{description}|rollout to {seq_len}',
+                                store_hidden)
+    names = ['tokens', 'segment_ids', 'positions', trunk_cache.TARGETS,
+             trunk_cache.HEAD_MASK] + hidden
+  else:
+    key = trunk_cache.cache_key(arrays, description, store_hidden)
+    names = [trunk_cache.TARGETS] + hidden
+  directory = workdir / 'trunk_cache' / key
   if all((directory / f'{name}.npy').exists() for name in names):
     cached = trunk_cache.load(directory, names)
-  else:
+  elif distill.targets == 'rollout':
     # The teacher is always the source's trunk, also when resuming a fine-tuned one.
-    params = _with_pretrained_trunk(trainer.init_state().params, config.init_from, trainer)
-    forward = functools.partial(trunk_cache.trunk_forward(trainer.graphdef), params)
-    logging.info('One pass of the trunk of %s over %d training rows -> %s.', source,
+    rollout = functools.partial(trunk_cache.rollout_forward(trainer.graphdef, seq_len),
+                                base_params())
+    logging.info('Greedy continuations by the trunk of %s of %d prompts of %d tokens, to %d '
+                 'tokens -> %s.', source, prompts.shape[0], prompts.shape[1], seq_len,
+                 directory)
+    cached = trunk_cache.build_rollouts(prompts, rollout, directory, seq_len=seq_len,
+                                        batch_size=distill.batch_size,
+                                        store_hidden=store_hidden)
+  else:
+    forward = functools.partial(trunk_cache.trunk_forward(trainer.graphdef), base_params())
+    logging.info('One pass of the trunk of %s over %d rows -> %s.', source,
                  arrays['tokens'].shape[0], directory)
-    cached = trunk_cache.build(arrays, forward, directory, batch_size=config.distill.batch_size,
+    cached = trunk_cache.build(arrays, forward, directory, batch_size=distill.batch_size,
                                store_hidden=store_hidden)
-    del params
-  if config.distill.targets != 'teacher':
+  if distill.targets == 'rollout':
+    return cached
+  if distill.targets == 'text':
     del cached[trunk_cache.TARGETS]
   return {**arrays, **cached}
 
@@ -421,7 +459,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   mesh = mesh_lib.make_mesh(config.mesh)
   trainer = Trainer(config, mesh)
   if _uses_trunk_cache(config):
-    train_arrays = _with_trunk_cache(config, workdir, trainer, train_arrays)
+    base_params = functools.cache(lambda: _with_pretrained_trunk(
+        trainer.init_state().params, config.init_from, trainer))
+    train_arrays = _with_trunk_cache(config, workdir, trainer, train_arrays, base_params)
+    if config.distill.targets == 'rollout' and config.eval_steps:
+      # Held-out continuations: the eval metrics then measure what decoding will accept.
+      valid_arrays = _with_trunk_cache(config, workdir, trainer, valid_arrays, base_params,
+                                       max_rows=config.eval_steps * config.data.batch_size)
+    base_params.cache_clear()
   iterator = pipeline.make_train_iterator(train_arrays, config.data.batch_size, config.seed,
                                           jax.process_index(), jax.process_count())
   eval_batches = pipeline.make_eval_batches(valid_arrays, config.data.batch_size,

@@ -1,6 +1,7 @@
 """One pass of a frozen trunk over the training rows: cached states and teacher targets.
 
-Training heads on a pretrained trunk has two costly habits this module removes:
+Training heads on a pretrained trunk has two costly habits and one mismatch, which this module
+removes:
   * with the trunk frozen (Medusa-1), every step would run the same trunk forward over the same
     rows again; `build` runs it once per row and the heads then train on its stored last
     hidden state (`trunk_hidden`), so a step costs only the heads and their output layer;
@@ -9,6 +10,10 @@ Training heads on a pretrained trunk has two costly habits this module removes:
     sequence (`targets`) that the loss reads in place of the text. Head k at position t then
     learns the token the trunk itself would emit at t+1+k, which is what greedy verification
     accepts. With the trunk fine-tuned (Medusa-2) these targets keep it close to the base.
+  * that target is still conditioned on the text's own tokens before t+1+k, which decoding only
+    sees where the trunk would have written them itself. `build_rollouts` removes the mismatch:
+    rows become a prompt cut from the text plus the trunk's greedy continuation, generated with
+    a KV cache, their hidden states kept on the way (Medusa's self-distillation).
 
 Arrays live under `workdir/trunk_cache/<key>/` as `.npy` files opened memory-mapped, written to
 a temporary directory and renamed, so an interrupted build leaves nothing half-written. The key
@@ -31,17 +36,18 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-HIDDEN, TARGETS = 'trunk_hidden', 'targets'
-_VERSION = 1
+HIDDEN, TARGETS, HEAD_MASK = 'trunk_hidden', 'targets', 'head_mask'
+_VERSION = 2
 
 
 def cache_key(arrays: Mapping[str, np.ndarray], trunk_description: str,
               store_hidden: bool) -> str:
-  """A short hash of the rows (tokens, segments, positions) and the trunk they go through."""
+  """A short hash of the input rows (every array given) and of the trunk they go through."""
   digest = hashlib.sha1()
   digest.update(json.dumps({'version': _VERSION, 'trunk': trunk_description,
                             'hidden': store_hidden}, sort_keys=True).encode())
-  for name in ('tokens', 'segment_ids', 'positions'):
+  for name in sorted(arrays):
+    digest.update(name.encode())
     digest.update(np.ascontiguousarray(arrays[name]).tobytes())
   return digest.hexdigest()[:16]
 
@@ -76,35 +82,117 @@ def build(arrays: Mapping[str, np.ndarray], forward: Callable, directory: str | 
   Returns:
     {'targets': [N, T] int32} and, if store_hidden, {'trunk_hidden': [N, T, D] float32}.
   """
-  directory = pathlib.Path(directory)
   names = [TARGETS] + ([HIDDEN] if store_hidden else [])
+  tokens = arrays['tokens']
+
+  def compute(rows: slice) -> dict[str, np.ndarray]:
+    batch = [_pad_rows(arrays[k][rows], batch_size) for k in ('tokens', 'positions',
+                                                               'segment_ids')]
+    hidden, predictions = jax.device_get(forward(*batch))
+    count = rows.stop - rows.start
+    out = {TARGETS: targets_from_predictions(tokens[rows], predictions[:count])}
+    if store_hidden:
+      out[HIDDEN] = hidden[:count]
+    return out
+
+  return _build(directory, names, tokens.shape[0], batch_size, compute, 'Trunk pass',
+                tokens.shape[1])
+
+
+def rollout_prompts(arrays: Mapping[str, np.ndarray], prompt_len: int) -> np.ndarray:
+  """One prompt per packed row: its first `prompt_len` tokens that lie in a single document.
+
+  Rows without such a window (only short documents) give none.
+
+  Args:
+    arrays: packed rows, `tokens` and `segment_ids` [N, T] int32.
+
+  Returns:
+    [M, prompt_len] int32, M <= N.
+  """
+  tokens, segments = np.asarray(arrays['tokens']), np.asarray(arrays['segment_ids'])
+  t = tokens.shape[1]
+  if not 1 <= prompt_len < t:
+    raise ValueError(f'distill.prompt_len must be in [1, seq_len), got {prompt_len} for '
+                     f'seq_len {t}.')
+  # Segments are contiguous within a row: a window is one document when its ends agree.
+  inside = (segments[:, :t - prompt_len + 1] == segments[:, prompt_len - 1:]) & (
+      segments[:, :t - prompt_len + 1] != 0)
+  rows = np.flatnonzero(inside.any(axis=1))
+  starts = inside[rows].argmax(axis=1)
+  return np.stack([tokens[r, s:s + prompt_len] for r, s in zip(rows, starts)]).astype(
+      np.int32) if len(rows) else np.zeros((0, prompt_len), np.int32)
+
+
+def build_rollouts(prompts: np.ndarray, rollout: Callable, directory: str | os.PathLike, *,
+                   seq_len: int, batch_size: int, store_hidden: bool) -> dict[str, np.ndarray]:
+  """Rows of the trunk's own greedy continuations of `prompts`, with what training reads.
+
+  Each row is a prompt followed by the trunk's greedy continuation up to `seq_len` tokens, one
+  document at positions 0 .. seq_len - 1. There, and only there, a head's target is exactly
+  what greedy verification will accept after the same accepted tokens; on human text (`build`)
+  the trunk's token at t+1+k is conditioned on the text's tokens before it, which decoding never
+  sees wherever the trunk would have chosen differently. The heads' losses count from the last
+  prompt token on (`head_mask`): that is where decoding starts to draft.
+
+  Args:
+    prompts: [N, P] int32 (`rollout_prompts`).
+    rollout: prompts [B, P] -> (tokens [B, seq_len] int32, hidden [B, seq_len, D] float32,
+      predictions [B, seq_len] int32), see `rollout_forward`.
+    directory, batch_size, store_hidden: as in `build`.
+    seq_len: row length, prompt included.
+
+  Returns:
+    `tokens`, `segment_ids`, `positions`, `targets` [N, seq_len] int32, `head_mask` [N,
+    seq_len] bool and, if store_hidden, `trunk_hidden` [N, seq_len, D] float32.
+  """
+  n, prompt_len = prompts.shape
+  batch_size = min(batch_size, n)  # A few eval rows need no batch of padding.
+  names = ['tokens', 'segment_ids', 'positions', TARGETS, HEAD_MASK] + (
+      [HIDDEN] if store_hidden else [])
+
+  def compute(rows: slice) -> dict[str, np.ndarray]:
+    count = rows.stop - rows.start
+    tokens, hidden, predictions = jax.device_get(rollout(_pad_rows(prompts[rows], batch_size)))
+    tokens, hidden, predictions = tokens[:count], hidden[:count], predictions[:count]
+    shape = (count, seq_len)
+    out = {'tokens': tokens,
+           'segment_ids': np.ones(shape, np.int32),
+           'positions': np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape),
+           TARGETS: targets_from_predictions(tokens, predictions),
+           HEAD_MASK: np.broadcast_to(np.arange(seq_len) >= prompt_len - 1, shape)}
+    if store_hidden:
+      out[HIDDEN] = hidden
+    return out
+
+  return _build(directory, names, n, batch_size, compute, 'Greedy rollouts', seq_len)
+
+
+def _build(directory: str | os.PathLike, names: list[str], num_rows: int, batch_size: int,
+           compute: Callable[[slice], dict[str, np.ndarray]], what: str,
+           tokens_per_row: int) -> dict[str, np.ndarray]:
+  """Fills `names`.npy ([num_rows, ...] each) from `compute(rows)`, batch by batch, atomically."""
+  directory = pathlib.Path(directory)
   if all((directory / f'{name}.npy').exists() for name in names):
     return load(directory, names)
-  tokens = arrays['tokens']
-  n, t = tokens.shape
   tmp = directory.with_name(f'{directory.name}.{os.getpid()}.tmp')
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
   out = {}
   start = time.perf_counter()
-  for first in range(0, n, batch_size):
-    rows = slice(first, min(first + batch_size, n))
-    batch = [_pad_rows(arrays[k][rows], batch_size) for k in ('tokens', 'positions',
-                                                               'segment_ids')]
-    hidden, predictions = jax.device_get(forward(*batch))
+  for first in range(0, num_rows, batch_size):
+    rows = slice(first, min(first + batch_size, num_rows))
+    values = compute(rows)
     if not out:
-      out[TARGETS] = np.lib.format.open_memmap(tmp / f'{TARGETS}.npy', 'w+', np.int32, (n, t))
-      if store_hidden:
-        out[HIDDEN] = np.lib.format.open_memmap(tmp / f'{HIDDEN}.npy', 'w+', np.float32,
-                                                (n, t, hidden.shape[-1]))
-    count = rows.stop - rows.start
-    out[TARGETS][rows] = targets_from_predictions(tokens[rows], predictions[:count])
-    if store_hidden:
-      out[HIDDEN][rows] = hidden[:count]
-    if first == 0 or rows.stop == n or (first // batch_size) % 20 == 0:
+      out = {name: np.lib.format.open_memmap(
+          tmp / f'{name}.npy', 'w+', values[name].dtype,
+          (num_rows,) + values[name].shape[1:]) for name in names}
+    for name in names:
+      out[name][rows] = values[name]
+    if first == 0 or rows.stop == num_rows or (first // batch_size) % 20 == 0:
       elapsed = time.perf_counter() - start
-      logging.info('Trunk pass: %d/%d rows (%.0f tokens/s).', rows.stop, n,
-                   rows.stop * t / max(elapsed, 1e-9))
+      logging.info('%s: %d/%d rows (%.0f tokens/s).', what, rows.stop, num_rows,
+                   rows.stop * tokens_per_row / max(elapsed, 1e-9))
   for array in out.values():
     array.flush()
   del out
@@ -136,3 +224,36 @@ def trunk_forward(graphdef) -> Callable:
     logits = model.logits(model.trunk.final_norm(hidden))
     return hidden.astype(jnp.float32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return forward
+
+
+def rollout_forward(graphdef, seq_len: int) -> Callable:
+  """A jitted greedy rollout for `build_rollouts`: f(params, prompts [B, P]).
+
+  Bind the parameters with `functools.partial(f, params)`. One prefill of the prompts, then
+  seq_len - P cached one-token steps in a `lax.scan`; every step's last hidden state is kept, so
+  the continuation needs no second trunk pass. Returns tokens [B, seq_len] (prompt, then
+  continuation), the last hidden state [B, seq_len, D] float32 and the greedy next token
+  [B, seq_len] int32 at every position.
+  """
+  @jax.jit
+  def rollout(params, prompts):
+    model = nnx.merge(graphdef, params)
+    b, p = prompts.shape
+    cache = model.init_cache(b, seq_len)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out, cache = model.step(prompts, positions, cache, jnp.zeros((b,), jnp.int32))
+    predictions = jnp.argmax(model.logits(out.normed), axis=-1).astype(jnp.int32)
+
+    def one_token(carry, position):
+      token, cache = carry
+      lengths = jnp.full((b,), position, jnp.int32)
+      step, cache = model.step(token[:, None], lengths[:, None], cache, lengths)
+      following = jnp.argmax(model.logits(step.normed[:, 0]), axis=-1).astype(jnp.int32)
+      return (following, cache), (token, step.hidden[:, 0].astype(jnp.float32), following)
+
+    _, (tokens, hidden, following) = jax.lax.scan(
+        one_token, (predictions[:, -1], cache), jnp.arange(p, seq_len, dtype=jnp.int32))
+    return (jnp.concatenate([prompts.astype(jnp.int32), tokens.T], axis=1),
+            jnp.concatenate([out.hidden.astype(jnp.float32), jnp.swapaxes(hidden, 0, 1)], 1),
+            jnp.concatenate([predictions, following.T], axis=1))
+  return rollout

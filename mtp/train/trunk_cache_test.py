@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import mtp
-
+from mtp.decode import autoregressive
 from mtp.train import testing
 from mtp.train import trainer as trainer_lib
 from mtp.train import trainer_test
@@ -80,9 +80,49 @@ def test_teacher_targets_also_guide_a_finetuned_trunk(trained_workdir, tmp_path)
   assert [p.name for p in directory.iterdir()] == ['targets.npy']
 
 
+def test_rollout_prompts_lie_in_one_document():
+  tokens = np.arange(24, dtype=np.int32).reshape(3, 8)
+  segments = np.array([[1, 1, 2, 2, 2, 2, 3, 3],    # first window of 3: tokens 2..4
+                       [1, 2, 3, 4, 5, 6, 7, 7],    # no document of 3 tokens
+                       [1, 1, 1, 1, 0, 0, 0, 0]])   # padding is no document
+  prompts = trunk_cache.rollout_prompts({'tokens': tokens, 'segment_ids': segments}, 3)
+  np.testing.assert_array_equal(prompts, [[2, 3, 4], [16, 17, 18]])
+  with pytest.raises(ValueError, match='distill.prompt_len must be in'):
+    trunk_cache.rollout_prompts({'tokens': tokens, 'segment_ids': segments}, 8)
+
+
+def test_rollout_rows_are_the_trunks_greedy_continuations(trained_workdir, tmp_path):
+  """Rows = prompt + the trunk's greedy continuation; its hidden states are the trunk's own."""
+  prompt_len = 6
+  config = _heads_config(trained_workdir, **{
+      'distill.targets': 'rollout', 'distill.cache_trunk_states': True,
+      'distill.prompt_len': prompt_len, 'eval_steps': 1})
+  metrics = trainer_lib.train_and_evaluate(config, tmp_path)
+  assert 'ntp_loss' not in metrics and 'eval_head_1_acc' in metrics
+  [split] = (tmp_path / 'data_cache').glob('train-*.npz')
+  prompts = trunk_cache.rollout_prompts(dict(np.load(split)), prompt_len)
+  [rows] = [trunk_cache.load(d, ['tokens', 'positions', 'targets', 'head_mask', 'trunk_hidden'])
+            for d in (tmp_path / 'trunk_cache').iterdir()
+            if np.load(d / 'tokens.npy').shape[0] == len(prompts)]  # not the eval rows
+  seq_len = config.data.seq_len
+  assert rows['tokens'].shape == (len(prompts), seq_len)
+  np.testing.assert_array_equal(rows['tokens'][:, :prompt_len], prompts)
+  source = mtp.load(trained_workdir).model
+  greedy = autoregressive.generate(source, prompts[:4], max_new_tokens=seq_len - prompt_len)
+  np.testing.assert_array_equal(rows['tokens'][:4, prompt_len:], greedy.tokens)
+  # On the continuation the trunk's next token is the row's next token.
+  np.testing.assert_array_equal(rows['targets'][:, prompt_len:], rows['tokens'][:, prompt_len:])
+  hidden, _ = source.trunk(rows['tokens'][:4], rows['positions'][:4],
+                           np.ones((4, seq_len), np.int32))
+  np.testing.assert_allclose(rows['trunk_hidden'][:4], hidden, atol=2e-4, rtol=2e-4)
+  np.testing.assert_array_equal(rows['head_mask'][0], np.arange(seq_len) >= prompt_len - 1)
+
+
 @pytest.mark.parametrize('overrides, message', [
     ({'distill.targets': 'teacher', 'init_from': ''}, 'needs init_from'),
-    ({'distill.targets': 'labels'}, "distill.targets must be 'text' or 'teacher'"),
+    ({'distill.targets': 'labels'}, 'distill.targets must be one of'),
+    ({'distill.targets': 'rollout', 'distill.prompt_len': 0}, 'distill.prompt_len must be in'),
+    ({'distill.targets': 'rollout', 'distill.prompt_len': 64}, 'distill.prompt_len must be in'),
     ({'distill.cache_trunk_states': True, 'optim.mode': 'finetune'},
      "only a frozen trunk's states can be reused"),
     ({'distill.batch_size': 0}, 'distill.batch_size must be positive'),
