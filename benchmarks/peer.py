@@ -18,7 +18,8 @@ Decoders, greedy, at batch 1 and 4:
     batch 1 only, as transformers refuses assisted generation for larger batches;
   * mtp autoregressive, and mtp self-speculative with a chain of its heads and with a tree
     (built from the heads' measured accuracies and this machine's verification cost, or the
-    static default tree).
+    static default tree), and that tree with a chain of prompt-lookup drafts beside it
+    (`--mtp_lookup` copies of the text's own continuation; 0 leaves the row out).
 
 Every decoder generates exactly --max_new_tokens tokens per prompt: neither side stops at EOS
 (transformers: `eos_token_id=None`; mtp: a view of the tokenizer without an EOS id), so each run
@@ -71,6 +72,7 @@ flags.DEFINE_integer('repeats', 3, 'Timed repeats (medians).')
 flags.DEFINE_integer('prompt_lookup_num_tokens', 10,
                      'Tokens HF prompt lookup drafts per step (10: the method\'s original '
                      'setting).')
+flags.DEFINE_integer('mtp_lookup', 5, 'Lookup drafts beside the mtp tree (0: no such row).')
 flags.DEFINE_enum('tree', 'auto', ['auto', 'default'], 'The mtp tree: auto (from measured head '
                   'accuracies and verification cost) or default (static Medusa-style).')
 flags.DEFINE_integer('threads', None, 'torch threads (default: all cores).')
@@ -84,6 +86,8 @@ HF_LOOKUP = 'HF prompt lookup'
 MTP_AR = 'mtp autoregressive'
 MTP_CHAIN = 'mtp chain'
 MTP_TREE = 'mtp tree'
+MTP_TREE_LOOKUP = 'mtp tree + lookup'
+SPECULATIVE = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP)
 # Distributions whose description is not held-out prose: this project's own README.
 EXCLUDED_DISTRIBUTIONS = frozenset({'mtp'})
 
@@ -246,14 +250,14 @@ def hf_decoder(model, pad_id: int, **options) -> Decoder:
   return run
 
 
-def mtp_decoder(loaded, decoder: str, tree=None) -> Decoder:
+def mtp_decoder(loaded, decoder: str, tree=None, lookup: int = 0) -> Decoder:
   """`mtp.generate` (it compiles and warms up before its timed batches)."""
   import mtp
 
   def run(texts, ids, batch_size):
     del ids
     gens = mtp.generate(loaded, list(texts), max_new_tokens=FLAGS.max_new_tokens,
-                        decoder=decoder, tree=tree, batch_size=batch_size)
+                        decoder=decoder, tree=tree, lookup=lookup, batch_size=batch_size)
     seconds = sum(g.seconds for g in gens[::batch_size])  # Rows of a batch share its time.
     steps = sum(g.num_steps for g in gens)
     accepted = sum(g.mean_accepted * g.num_steps for g in gens) / max(steps, 1)
@@ -294,8 +298,12 @@ def decoders_by_batch(hf_model, hf_pad_id: int, loaded, batch_sizes) -> dict:
       table[b][MTP_CHAIN] = Entry(mtp_decoder(no_eos, 'speculative'), f'{heads} heads')
       table[b][MTP_TREE] = Entry(mtp_decoder(no_eos, 'speculative', tree),
                                  f'{FLAGS.tree}, {tree.num_nodes} nodes')
+      if FLAGS.mtp_lookup:
+        table[b][MTP_TREE_LOOKUP] = Entry(
+            mtp_decoder(no_eos, 'speculative', tree, FLAGS.mtp_lookup),
+            f'{tree.num_nodes} + {FLAGS.mtp_lookup} nodes')
     else:
-      for name in (MTP_CHAIN, MTP_TREE):
+      for name in SPECULATIVE:
         table[b][name] = Entry(None, not_applicable=f'{loaded.workdir} has no heads')
   return table
 
@@ -360,7 +368,7 @@ def summarize(runs: dict, decoders: dict) -> list[dict]:
           row['mean_accepted'] = mine[0].mean_accepted
         if name != HF_GREEDY:
           row['mismatches_vs_hf_greedy'] = mismatches(mine[0].tokens, hf[0].tokens)
-        if name in (MTP_CHAIN, MTP_TREE):
+        if name in SPECULATIVE:
           row['mismatches_vs_mtp_autoregressive'] = mismatches(mine[0].tokens, ar[0].tokens)
         rows.append(row)
   return rows

@@ -37,6 +37,8 @@ flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 flags.DEFINE_integer('batch_size', 1, 'Prompts decoded together.')
 flags.DEFINE_string('tree', None, 'Speculative candidates: chain (default), default, auto, or '
                     'Medusa-style choices as JSON, e.g. "[[0], [1], [0, 0]]".')
+flags.DEFINE_integer('lookup', 0, 'Speculative, greedy: add a chain of this many prompt-lookup '
+                     'drafts (copies of what followed the text\'s last tokens before) to the tree.')
 flags.DEFINE_string('output', None, 'JSONL file to write (default: stdout).')
 flags.DEFINE_bool('stream', False, 'Print completions as tokens are accepted.')
 flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps per host round trip when streaming.')
@@ -128,7 +130,7 @@ def main(argv):
     generations = mtp.generate(
         FLAGS.workdir, prompts, max_new_tokens=FLAGS.max_new_tokens, decoder=FLAGS.decoder,
         temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
-        tree=tree, batch_size=FLAGS.batch_size, on_text=printer,
+        tree=tree, lookup=FLAGS.lookup, batch_size=FLAGS.batch_size, on_text=printer,
         steps_per_chunk=FLAGS.steps_per_chunk)
   except ValueError as e:  # Bad input, found before anything was compiled.
     raise SystemExit(f'launch.generate: {e}') from None

@@ -128,7 +128,7 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
              *, max_new_tokens: int, decoder: str = 'speculative', temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              tree: str | Sequence[Sequence[int]] | trees_lib.Tree | None = None,
-             batch_size: int | None = None, on_text: TextCallback | None = None,
+             lookup: int = 0, batch_size: int | None = None, on_text: TextCallback | None = None,
              steps_per_chunk: int | None = None) -> list[Generation]:
   """Completes text prompts with a trained model: the Python twin of `launch.generate`.
 
@@ -155,6 +155,9 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
       validation files and cached in the workdir, sized by the measured verification cost
       curve of this hardware and batch size), Medusa-style choices (rank paths), or a
       `trees.Tree`.
+    lookup: speculative and greedy only: also draft this many tokens by prompt lookup, a
+      copy of what followed the latest earlier occurrence of the text's last tokens, as one
+      more chain below the tree's root (`trees.with_lookup`). Strong on repetitive text.
     batch_size: prompts per batch (None: all in one).
     on_text: if given, the decode loop runs a chunk of steps at a time and
       `on_text(prompt_index, text, finished)` receives each prompt's text as it is accepted
@@ -204,10 +207,16 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
                      if 'max_seq_len' in str(e) else str(e)) from None
   options = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=temperature,
                  top_k=top_k, top_p=top_p)
+  if isinstance(lookup, bool) or int(lookup) != lookup or lookup < 0:
+    raise ValueError(f'lookup must be a non-negative integer, got {lookup!r}')
   if decoder == 'speculative':
-    options['tree'] = speculative.resolve_tree(model, _tree(loaded, tree, batch_size))
-  elif tree is not None:
-    raise ValueError('tree applies to the speculative decoder only')
+    if lookup and temperature != 0:
+      raise ValueError('lookup drafts are verified greedily only (temperature 0), got '
+                       f'temperature {temperature}')
+    options['tree'] = speculative.resolve_tree(model, _tree(loaded, tree, batch_size),
+                                               int(lookup))
+  elif tree is not None or lookup:
+    raise ValueError('tree and lookup apply to the speculative decoder only')
 
   prepared = state_lib.prepare(model)
   module = speculative if decoder == 'speculative' else autoregressive

@@ -60,6 +60,10 @@ def test_generate_speculative_equals_autoregressive_greedy_across_batching(workd
   # One prompt as a string; the static default tree gives the same tokens.
   [one] = mtp.generate(workdir, PROMPTS[2], max_new_tokens=12, tree='default')
   assert one.tokens == ar[2].tokens
+  # With a prompt-lookup chain beside the heads' drafts.
+  lookup = mtp.generate(loaded, PROMPTS, max_new_tokens=12, lookup=5)
+  assert [g.tokens for g in lookup] == [g.tokens for g in ar]
+  assert all(len(g.accepted_histogram) == 5 + 2 for g in lookup)
 
 
 def test_generate_streams_the_same_text(workdir):
@@ -96,6 +100,9 @@ def test_generate_sampling_is_seeded(workdir):
     (dict(tree='bushy'), 'tree must be one of'),
     (dict(decoder='autoregressive', tree='default'), 'speculative decoder only'),
     (dict(batch_size=0), 'batch_size'),
+    (dict(lookup=-1), 'lookup must be a non-negative integer'),
+    (dict(lookup=3, temperature=0.7), 'verified greedily only'),
+    (dict(lookup=3, decoder='autoregressive'), 'speculative decoder only'),
 ])
 def test_generate_rejects_bad_input_before_compiling(workdir, kwargs, match):
   loaded = mtp.load(workdir)

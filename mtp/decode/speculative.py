@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.decode import lookup as lookup_lib
 from mtp.decode import sampling as sampling_lib
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
@@ -90,6 +91,8 @@ class LoopState:
     rng: PRNG key.
     eos_id: [] int32 end-of-sequence id, -1 for none (traced: changing it does not recompile).
     pad_id: [] int32 filler after a row's end.
+    context: [B, C] every row's tokens by position, prompt included, for lookup drafts
+      (position lengths holds last_token; later columns are stale); [B, 0] without lookup.
   """
   tokens: Array
   num_generated: Array
@@ -103,6 +106,7 @@ class LoopState:
   rng: Array
   eos_id: Array
   pad_id: Array
+  context: Array
 
 
 # ------------------------------------------------------------------------------------------
@@ -154,12 +158,20 @@ def _sequential_head_logits(model, depth: int, hidden: Array, ext: Array, last_i
   return jnp.stack(logits), cache
 
 
-def _drafts_from_logits(tree: trees_lib.Tree, logits: Array) -> Array:
-  """Head logits [D, B, V] -> drafted nodes [B, N] in tree order (root excluded)."""
+def _drafts(tree: trees_lib.Tree, logits: Array, context: Array, lengths: Array) -> Array:
+  """Head logits [D, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
+
+  N - 1 drafts in tree order, root excluded; `context` and `lengths` (the position of the newest
+  token) feed the lookup chain, if the tree has one.
+  """
   if tree.is_chain:
     return jnp.argmax(logits, axis=-1).T.astype(jnp.int32)
   top = jax.lax.top_k(logits, max(tree.topk_per_depth))[1]  # [D, B, R]
-  nodes = trees_lib.draft_tokens_for_tree(tree, jnp.transpose(top, (1, 0, 2)))
+  copies = None
+  if tree.lookup_depth:
+    copies = lookup_lib.propose(context, lengths, tree.lookup_depth)
+  nodes = trees_lib.draft_tokens_for_tree(tree, jnp.transpose(top, (1, 0, 2)),
+                                          lookup_tokens=copies)
   return nodes[:, 1:].astype(jnp.int32)
 
 
@@ -194,7 +206,7 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
            pad_id: Array, settings: Settings) -> LoopState:
   """Prefills [B, P] right-padded prompts: each row's first token and first drafts."""
   model = state_lib.merge(structure, leaves)
-  tree, depth = settings.tree, settings.depth
+  tree, depth = settings.tree, settings.tree.head_depth
   b, p = prompts.shape
   cache = state_lib.shard_cache(model.init_cache(b, settings.capacity), settings.mesh)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -209,16 +221,21 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
                                                  cache, jnp.zeros((b,), jnp.int32))
   else:
     head_logits = _head_logits(model, out, last_index, depth)
-  buffer = jnp.full((b, settings.max_new_tokens + depth + 1), pad_id, jnp.int32)
+  buffer = jnp.full((b, settings.max_new_tokens + settings.depth + 1), pad_id, jnp.int32)
+  context = jnp.zeros((b, 0), jnp.int32)
+  if tree.lookup_depth:  # Spare columns: writes of a block near the end never clamp.
+    context = jnp.zeros((b, settings.capacity + settings.depth + 2), jnp.int32)
+    context = context.at[:, :p].set(prompts.astype(jnp.int32))
+    context = kv_cache_lib.write_rows(context, first[:, None], lengths)
   buffer, num_generated, done, _ = state_lib.append_tokens(
       buffer, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
       jnp.ones((b,), jnp.int32), eos_id=eos_id, pad_id=pad_id,
       max_new_tokens=settings.max_new_tokens)
   return LoopState(tokens=buffer, num_generated=num_generated, done=done, last_token=first,
-                   drafts=_drafts_from_logits(tree, head_logits), lengths=lengths,
+                   drafts=_drafts(tree, head_logits, context, lengths), lengths=lengths,
                    num_steps=jnp.zeros((b,), jnp.int32),
-                   histogram=jnp.zeros((b, depth + 2), jnp.int32), cache=cache, rng=rng,
-                   eos_id=eos_id, pad_id=pad_id)
+                   histogram=jnp.zeros((b, settings.depth + 2), jnp.int32), cache=cache,
+                   rng=rng, eos_id=eos_id, pad_id=pad_id, context=context)
 
 
 def _verify(model, s: LoopState, drafts: Array, settings: Settings, key: Array):
@@ -260,7 +277,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
          settings: Settings) -> LoopState:
   """Runs draft-verify-accept steps until every row is done or `max_steps` steps were taken."""
   model = state_lib.merge(structure, leaves)
-  tree, depth = settings.tree, settings.depth
+  tree, depth, head_depth = settings.tree, settings.depth, settings.tree.head_depth
   sequential = model.cfg.mtp_head_type == 'sequential'
   num_verified_layers = _verified_layers(model)
   columns = jnp.arange(depth + 1)[None, :]
@@ -290,14 +307,19 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     if sequential:
       # The accepted path is contiguous now: run the modules over it (positions lengths ..).
       hidden = jnp.take_along_axis(out.hidden, path[:, :, None], axis=1)
-      ext = jnp.concatenate([path_tokens, jnp.zeros((path.shape[0], depth), jnp.int32)], 1)
+      ext = jnp.concatenate([path_tokens, jnp.zeros((path.shape[0], head_depth), jnp.int32)],
+                            1)
       ext = kv_cache_lib.write_rows(ext, next_token[:, None], num_accepted + 1)
-      head_logits, cache = _sequential_head_logits(model, depth, hidden, ext, num_accepted,
-                                                   cache, s.lengths)
+      head_logits, cache = _sequential_head_logits(model, head_depth, hidden, ext,
+                                                   num_accepted, cache, s.lengths)
     else:
       last_node = state_lib.gather_rows(path, num_accepted)
-      head_logits = _head_logits(model, out, last_node, depth)
-    new_drafts = _drafts_from_logits(tree, head_logits)
+      head_logits = _head_logits(model, out, last_node, head_depth)
+    lengths = s.lengths + num_accepted + 1
+    context = s.context
+    if tree.lookup_depth:  # Emitted tokens sit at positions s.lengths + 1 .. lengths.
+      context = kv_cache_lib.write_rows(context, emitted, s.lengths + 1)
+    new_drafts = _drafts(tree, head_logits, context, lengths)
 
     active = ~s.done
     histogram = s.histogram + (
@@ -306,8 +328,9 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
         tokens=buffer, num_generated=num_generated, done=done,
         last_token=jnp.where(active, next_token, s.last_token),
         drafts=jnp.where(active[:, None], new_drafts, s.drafts),
-        lengths=jnp.where(active, s.lengths + num_accepted + 1, s.lengths),
-        num_steps=s.num_steps + active, histogram=histogram, cache=cache, rng=rng)
+        lengths=jnp.where(active, lengths, s.lengths),
+        num_steps=s.num_steps + active, histogram=histogram, cache=cache, rng=rng,
+        context=jnp.where(active[:, None], context, s.context))
     return i + 1, s
 
   _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
@@ -326,13 +349,15 @@ def result(state: LoopState, max_new_tokens: int) -> DecodeResult:
 # ------------------------------------------------------------------------------------------
 
 
-def resolve_tree(model, tree) -> trees_lib.Tree:
+def resolve_tree(model, tree, lookup: int = 0) -> trees_lib.Tree:
   """The candidate tree for `model` from a user's choice, checked against its heads.
 
   Args:
     model: an `MTPModel` or a `state.PreparedModel`.
     tree: None (a chain of every head's top-1), an int k (a chain of k drafts), a
       `trees.Tree`, or Medusa-style choices (a sequence of rank paths).
+    lookup: if > 0, hang a chain of this many prompt-lookup drafts below the root too
+      (`trees.with_lookup`; greedy decoding only).
 
   Raises:
     ValueError: the model has no heads, or the tree is empty or deeper than the heads.
@@ -351,15 +376,21 @@ def resolve_tree(model, tree) -> trees_lib.Tree:
     tree = trees_lib.chain_tree(int(tree))
   elif not isinstance(tree, trees_lib.Tree):
     tree = trees_lib.tree_from_choices(tree)
-  if tree.max_depth < 1:
+  if tree.head_depth < 1:
     raise ValueError('the candidate tree has no drafted nodes')
   tree.check_num_heads(num_heads)
+  if lookup:
+    tree = trees_lib.with_lookup(tree, lookup)
   return tree
 
 
 def _prepare(model, prompts, prompt_lengths, *, max_new_tokens, tree, eos_id, pad_id,
-             temperature, top_k, top_p, rng, cache_capacity, draft_hook, hook_data, mesh=None):
-  tree = resolve_tree(model, tree)
+             temperature, top_k, top_p, rng, cache_capacity, draft_hook, hook_data, mesh=None,
+             lookup=0):
+  tree = resolve_tree(model, tree, lookup)
+  if tree.lookup_depth and temperature != 0:
+    raise ValueError('lookup drafts are verified greedily only (temperature 0), got '
+                     f'temperature {temperature}')
   cfg = model.cfg.trunk
   prompts, lengths = state_lib.check_request(
       prompts, prompt_lengths, max_new_tokens=max_new_tokens, vocab_size=cfg.vocab_size,
@@ -386,7 +417,7 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
              eos_id: int | None = None, pad_id: int = 0, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, rng=None, cache_capacity: int | None = None,
              draft_hook: DraftHook | None = None, hook_data=None,
-             mesh: jax.sharding.Mesh | None = None) -> DecodeResult:
+             mesh: jax.sharding.Mesh | None = None, lookup: int = 0) -> DecodeResult:
   """Self-speculative decoding; the output is distributed exactly as `autoregressive.generate`.
 
   Greedy (temperature 0) output equals greedy autoregressive output token for token (up to
@@ -407,6 +438,8 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
     hook_data: pytree of arrays passed to draft_hook (traced: no recompilation).
     mesh: shard the rows (prompts, cache, loop state) over its batch axes and the cache's KV
       heads over 'tensor'; pass parameters already sharded (`mesh.state_shardings`).
+    lookup: drafts of a prompt-lookup chain added to the tree (`trees.with_lookup`; greedy
+      only): copies of what followed the latest earlier occurrence of the text's last tokens.
 
   Returns:
     DecodeResult; accepted_histogram is [B, tree depth + 2].
@@ -414,7 +447,8 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   prepared, args, settings = _prepare(
       model, prompts, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree, eos_id=eos_id,
       pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
-      cache_capacity=cache_capacity, draft_hook=draft_hook, hook_data=hook_data, mesh=mesh)
+      cache_capacity=cache_capacity, draft_hook=draft_hook, hook_data=hook_data, mesh=mesh,
+      lookup=lookup)
   state = _start(prepared.structure, prepared.leaves, *args, settings)
   state = _run(prepared.structure, prepared.leaves, state, jnp.int32(max_new_tokens), hook_data,
                settings)
@@ -431,7 +465,8 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   if steps_per_chunk < 1:
     raise ValueError(f'steps_per_chunk must be >= 1, got {steps_per_chunk}')
   allowed = dict(tree=None, eos_id=None, pad_id=0, temperature=0.0, top_k=0, top_p=1.0,
-                 rng=None, cache_capacity=None, draft_hook=None, hook_data=None, mesh=None)
+                 rng=None, cache_capacity=None, draft_hook=None, hook_data=None, mesh=None,
+                 lookup=0)
   unknown = set(kwargs) - set(allowed)
   if unknown:
     raise TypeError(f'unexpected arguments: {", ".join(sorted(unknown))}')

@@ -171,6 +171,26 @@ def test_batch_of_one_without_hooks(models, prompts, reference, head_type, tree)
   assert out.accepted_histogram.shape == (1, 5)
 
 
+@pytest.mark.parametrize('head_type', HEAD_TYPES)
+def test_lookup_drafts_are_exact_and_catch_repetitions(models, ar_model, prompts, head_type):
+  """A greedy random model soon repeats itself: copies from its own text are accepted."""
+  max_new = 40
+  expected = autoregressive.generate(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new)
+  steps = {}
+  for lookup in (0, 6):  # Deeper than the heads: the lookup chain is not bound by them.
+    out = speculative.generate(models[head_type], prompts, PROMPT_LENGTHS,
+                               max_new_tokens=max_new, tree=[(0,), (1,), (0, 0)],
+                               lookup=lookup)
+    np.testing.assert_array_equal(out.tokens, expected.tokens)
+    _check_statistics(out, 2 + lookup * 4 // 6)
+    steps[lookup] = np.asarray(out.num_steps)
+  assert steps[6].sum() < 0.8 * steps[0].sum()
+  assert steps[6][2] <= 15  # Row 2 is mostly one token repeated.
+  with pytest.raises(ValueError, match='verified greedily only'):
+    speculative.generate(models[head_type], prompts, PROMPT_LENGTHS, max_new_tokens=4,
+                         lookup=2, temperature=0.5)
+
+
 def test_no_recompilation_and_chunks(models, prompts, reference):
   model = models['medusa']
   speculative.generate(model, prompts[1:2, :3], max_new_tokens=MAX_NEW)

@@ -42,6 +42,8 @@ class Tree:
     max_children: largest number of children of a node (at least 1, for array shapes).
     level_width: [D] tuple, largest number of children of a node at depth d (d = 0..D-1).
     topk_per_depth: [D] tuple, how many top candidates head d + 1 must provide.
+    lookup_depth: L, nodes of a prompt-lookup chain hung below the root after the heads' nodes
+      (`with_lookup`); 0 for a tree of head drafts only.
   """
   choices: tuple[Path, ...]
   num_nodes: int
@@ -57,16 +59,30 @@ class Tree:
   max_children: int
   level_width: tuple[int, ...]
   topk_per_depth: tuple[int, ...]
+  lookup_depth: int = 0
 
   # Equality and hashing by the defining choices keep the tree usable as a jit static argument.
   def __eq__(self, other):
-    return isinstance(other, Tree) and self.choices == other.choices
+    return (isinstance(other, Tree) and self.choices == other.choices
+            and self.lookup_depth == other.lookup_depth)
 
   def __hash__(self):
-    return hash(self.choices)
+    return hash((self.choices, self.lookup_depth))
 
   def __repr__(self):
-    return f'Tree(num_nodes={self.num_nodes}, max_depth={self.max_depth}, choices={self.choices})'
+    lookup = f', lookup_depth={self.lookup_depth}' if self.lookup_depth else ''
+    return (f'Tree(num_nodes={self.num_nodes}, max_depth={self.max_depth}, '
+            f'choices={self.choices}{lookup})')
+
+  @property
+  def num_head_nodes(self) -> int:
+    """Nodes drafted by the heads, root included: nodes 0 .. num_head_nodes - 1."""
+    return self.num_nodes - self.lookup_depth
+
+  @property
+  def head_depth(self) -> int:
+    """The number of heads the tree needs (the depth of its deepest head-drafted node)."""
+    return max((len(p) for p in self.choices), default=0)
 
   @property
   def paths(self) -> np.ndarray:
@@ -84,13 +100,13 @@ class Tree:
 
   @property
   def is_chain(self) -> bool:
-    return all(p == (0,) * len(p) for p in self.choices)
+    return not self.lookup_depth and all(p == (0,) * len(p) for p in self.choices)
 
   def check_num_heads(self, num_heads: int) -> None:
     """Raises ValueError if the tree is deeper than the model has heads."""
-    if self.max_depth > num_heads:
+    if self.head_depth > num_heads:
       raise ValueError(
-          f'tree depth {self.max_depth} exceeds the number of MTP heads {num_heads}: head d '
+          f'tree depth {self.head_depth} exceeds the number of MTP heads {num_heads}: head d '
           'drafts depth d, so a tree needs at least as many heads as its depth')
 
 
@@ -132,12 +148,44 @@ def tree_from_choices(choices: Sequence[Sequence[int]], num_heads: int | None = 
   paths = _validate_choices(choices)
   all_paths = ((),) + paths
   index = {p: i for i, p in enumerate(all_paths)}
-  n = len(all_paths)
-  max_depth = max((len(p) for p in paths), default=0)
+  parent = [-1] + [index[p[:-1]] for p in paths]
+  rank = [-1] + [p[-1] for p in paths]
+  tree = _assemble(paths, parent, rank)
+  if num_heads is not None:
+    tree.check_num_heads(num_heads)
+  return tree
 
-  parent = np.array([-1] + [index[p[:-1]] for p in paths], np.int32)
-  depth = np.array([len(p) for p in all_paths], np.int32)
-  rank = np.array([-1] + [p[-1] for p in paths], np.int32)
+
+def with_lookup(tree: Tree, length: int) -> Tree:
+  """`tree` plus a chain of `length` prompt-lookup drafts below its root (greedy decoding).
+
+  The lookup nodes come after the heads' nodes, node `tree.num_nodes` at depth 1 and each next
+  one below the previous; the decoder fills them with the tokens that followed the latest
+  earlier occurrence of the text's last few tokens (`lookup.propose`). Repetitive text (code
+  that restates its names, prose that quotes its prompt) is where the heads guess worst and
+  lookup best; verification accepts whichever path the trunk agrees with.
+  """
+  if tree.lookup_depth:
+    raise ValueError(f'the tree already has a lookup chain of {tree.lookup_depth} nodes')
+  if isinstance(length, bool) or int(length) != length or length < 1:
+    raise ValueError(f'the lookup chain needs at least one node, got {length!r}')
+  length = int(length)
+  n = tree.num_nodes
+  parent = list(tree.parent) + [0] + list(range(n, n + length - 1))
+  rank = list(tree.rank) + [-1] * length
+  return _assemble(tree.choices, parent, rank, lookup_depth=length)
+
+
+def _assemble(choices: tuple[Path, ...], parent: Sequence[int], rank: Sequence[int],
+              lookup_depth: int = 0) -> Tree:
+  """The `Tree` of nodes given by parent and rank (parents precede children)."""
+  parent = np.asarray(parent, np.int32)
+  rank = np.asarray(rank, np.int32)
+  n = len(parent)
+  depth = np.zeros(n, np.int32)
+  for i in range(1, n):
+    depth[i] = depth[parent[i]] + 1
+  max_depth = int(depth.max())
 
   kids = [[] for _ in range(n)]
   for i in range(1, n):
@@ -150,27 +198,30 @@ def tree_from_choices(choices: Sequence[Sequence[int]], num_heads: int | None = 
 
   node_paths = np.full((n, max_depth + 1), -1, np.int32)
   attention_mask = np.zeros((n, n), bool)
-  for i, p in enumerate(all_paths):
-    anc = [index[p[:j]] for j in range(len(p) + 1)]
-    node_paths[i, :len(anc)] = anc
-    attention_mask[i, anc] = True
+  for i in range(n):
+    ancestors = [i]
+    while ancestors[-1]:
+      ancestors.append(int(parent[ancestors[-1]]))
+    ancestors.reverse()
+    node_paths[i, :len(ancestors)] = ancestors
+    attention_mask[i, ancestors] = True
   leaves = [i for i in range(n) if num_children[i] == 0]
   leaf_paths = node_paths[leaves]
 
   level_width = tuple(int(num_children[depth == d].max()) for d in range(max_depth))
+  heads = slice(0, n - lookup_depth)
   topk_per_depth = tuple(
-      int(rank[depth == d].max()) + 1 for d in range(1, max_depth + 1))
+      int(rank[heads][depth[heads] == d].max()) + 1
+      for d in range(1, int(depth[heads].max()) + 1))
 
   for a in (parent, depth, rank, attention_mask, children, num_children, node_paths, leaf_paths):
     a.flags.writeable = False  # Shared static structure: keep it immutable.
-  tree = Tree(
-      choices=paths, num_nodes=n, parent=parent, depth=depth, rank=rank,
+  return Tree(
+      choices=choices, num_nodes=n, parent=parent, depth=depth, rank=rank,
       attention_mask=attention_mask, children=children, num_children=num_children,
       node_paths=node_paths, leaf_paths=leaf_paths, max_depth=max_depth,
-      max_children=max_children, level_width=level_width, topk_per_depth=topk_per_depth)
-  if num_heads is not None:
-    tree.check_num_heads(num_heads)
-  return tree
+      max_children=max_children, level_width=level_width, topk_per_depth=topk_per_depth,
+      lookup_depth=lookup_depth)
 
 
 def chain_tree(k: int) -> Tree:
@@ -260,6 +311,8 @@ def expected_accepted_length(tree: Tree, accuracies) -> float:
   more. Assumes heads are right independently (the same model as `tree_from_accuracies`).
   """
   acc = _check_accuracies(accuracies)
+  if tree.lookup_depth:
+    raise ValueError('expected_accepted_length models head drafts only, not a lookup chain')
   if tree.max_depth > acc.shape[0] or any(
       k > acc.shape[1] for k in tree.topk_per_depth):
     raise ValueError(f'tree needs top-k {tree.topk_per_depth} per head, accuracies have shape '
@@ -312,27 +365,38 @@ def choose_tree_size(accuracies,
 
 
 def draft_tokens_for_tree(tree: Tree, head_topk_tokens: jnp.ndarray,
-                          root_token: jnp.ndarray | None = None) -> jnp.ndarray:
-  """Lays the heads' top-k candidates out on the tree's nodes.
+                          root_token: jnp.ndarray | None = None,
+                          lookup_tokens: jnp.ndarray | None = None) -> jnp.ndarray:
+  """Lays the heads' top-k candidates (and any lookup drafts) out on the tree's nodes.
 
   Args:
     tree: the candidate tree.
     head_topk_tokens: [B, D', R] int, head_topk_tokens[:, d, r] = rank-r candidate of head
-      d + 1; needs D' >= tree.max_depth and R >= the tree's largest rank + 1.
+      d + 1; needs D' >= tree.head_depth and R >= the tree's largest rank + 1.
     root_token: optional [B] last accepted token for node 0 (zeros otherwise: the caller fills
       it).
+    lookup_tokens: [B, L] the lookup chain's drafts, root side first; needed iff the tree has
+      one (L = tree.lookup_depth).
 
   Returns:
-    node_tokens: [B, N]; node n > 0 holds head_topk_tokens[:, depth[n] - 1, rank[n]].
+    node_tokens: [B, N]; head node n > 0 holds head_topk_tokens[:, depth[n] - 1, rank[n]],
+    lookup node num_head_nodes + i holds lookup_tokens[:, i].
   """
   b, d, r = head_topk_tokens.shape
   tree.check_num_heads(d)
   if tree.topk_per_depth and max(tree.topk_per_depth) > r:
     raise ValueError(f'tree needs top-{max(tree.topk_per_depth)} candidates, heads provide {r}')
+  if (lookup_tokens is None) != (tree.lookup_depth == 0) or (
+      lookup_tokens is not None and lookup_tokens.shape != (b, tree.lookup_depth)):
+    raise ValueError(f'the tree has {tree.lookup_depth} lookup nodes; lookup_tokens has shape '
+                     f'{None if lookup_tokens is None else lookup_tokens.shape}')
   # Static numpy indices: a single gather, no per-node work.
-  drafts = head_topk_tokens[:, tree.depth[1:] - 1, tree.rank[1:]]
+  heads = slice(1, tree.num_head_nodes)
+  parts = [head_topk_tokens[:, tree.depth[heads] - 1, tree.rank[heads]]]
   if root_token is None:
-    root = jnp.zeros((b, 1), head_topk_tokens.dtype)
+    parts.insert(0, jnp.zeros((b, 1), head_topk_tokens.dtype))
   else:
-    root = jnp.asarray(root_token, head_topk_tokens.dtype).reshape(b, 1)
-  return jnp.concatenate([root, drafts], axis=1)
+    parts.insert(0, jnp.asarray(root_token, head_topk_tokens.dtype).reshape(b, 1))
+  if lookup_tokens is not None:
+    parts.append(jnp.asarray(lookup_tokens, head_topk_tokens.dtype))
+  return jnp.concatenate(parts, axis=1)

@@ -196,3 +196,28 @@ def test_draft_tokens_for_tree():
     trees.draft_tokens_for_tree(t, topk[:, :2])
   with pytest.raises(ValueError, match='top-2'):
     trees.draft_tokens_for_tree(t, topk[:, :, :1])
+
+
+def test_a_lookup_chain_hangs_below_the_root_after_the_head_nodes():
+  base = trees.tree_from_choices([(0,), (1,), (0, 0)])
+  tree = trees.with_lookup(base, 3)
+  assert (tree.num_nodes, tree.num_head_nodes, tree.lookup_depth) == (7, 4, 3)
+  np.testing.assert_array_equal(tree.parent, [-1, 0, 0, 1, 0, 4, 5])
+  np.testing.assert_array_equal(tree.depth, [0, 1, 1, 2, 1, 2, 3])
+  assert (tree.max_depth, tree.head_depth, tree.topk_per_depth) == (3, 2, (2, 1))
+  np.testing.assert_array_equal(tree.attention_mask[6], [1, 0, 0, 0, 1, 1, 1])
+  np.testing.assert_array_equal(tree.node_paths[6], [0, 4, 5, 6])
+  assert not tree.is_chain and not trees.with_lookup(trees.chain_tree(2), 1).is_chain
+  assert tree == trees.with_lookup(base, 3) and tree != base and tree != trees.with_lookup(base, 2)
+  assert hash(tree) == hash(trees.with_lookup(base, 3))
+  tree.check_num_heads(2)  # The lookup chain is deeper than the heads: no heads needed for it.
+  top = jnp.asarray([[[10, 11], [20, 21]]])  # [B=1, D=2, R=2]
+  nodes = trees.draft_tokens_for_tree(tree, top, root_token=jnp.asarray([7]),
+                                      lookup_tokens=jnp.asarray([[30, 31, 32]]))
+  np.testing.assert_array_equal(nodes, [[7, 10, 11, 20, 30, 31, 32]])
+  with pytest.raises(ValueError, match='lookup nodes'):
+    trees.draft_tokens_for_tree(tree, top)
+  with pytest.raises(ValueError, match='already has a lookup chain'):
+    trees.with_lookup(tree, 1)
+  with pytest.raises(ValueError, match='at least one node'):
+    trees.with_lookup(base, 0)
