@@ -260,8 +260,13 @@ class Transformer(nnx.Module):
 
   def logits(self, normed: Array) -> Array:
     """Projects already-normalised hidden states [..., D] to logits [..., V] in float32."""
-    w = self.unembedding().astype(dtype_of(self.cfg.dtype))
-    return jnp.dot(normed, w).astype(jnp.float32)
+    dtype = dtype_of(self.cfg.dtype)
+    if self.cfg.tie_embeddings:
+      # Contract the embedding [V, D] in place: `x @ E.T` made XLA:CPU copy the transposed
+      # matrix (V x D floats) on every call, which halved the speed of few-row projections.
+      return jnp.einsum('...d,vd->...v', normed,
+                        self.embedding.embedding[...].astype(dtype)).astype(jnp.float32)
+    return jnp.dot(normed, self.output[...].astype(dtype)).astype(jnp.float32)
 
   def __call__(self, tokens: Array, positions: Array, segment_ids: Array | None = None, *,
                cache: kv_cache_lib.KVCache | None = None, lengths: Array | None = None,
