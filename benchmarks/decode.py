@@ -44,6 +44,8 @@ flags.DEFINE_list('batch_sizes', ['1', '8'], 'Batch sizes to measure.')
 flags.DEFINE_integer('repeats', 3, 'Timed repeats per decoder and batch size (medians).')
 flags.DEFINE_list('token_counts', ['1', '2', '3', '4', '5', '6', '8', '12', '16', '24', '32'],
                   'Verification sizes T of the cost curve.')
+flags.DEFINE_integer('lookup', 8, 'Prompt-lookup drafts beside the accuracy tree in one more '
+                     'row (0: no such row).')
 flags.DEFINE_string('output', 'results/decode.json', 'JSON results.')
 flags.DEFINE_string('plot', 'results/decode.png', 'Plot.')
 
@@ -95,6 +97,9 @@ def measure_workdir(workdir: str) -> dict:
   for b in batch_sizes:
     auto_trees[b] = cost_model.choose_tree(model, accuracies, cost=cost[b]['relative'])
     decoders[b][f'accuracy tree ({auto_trees[b].num_nodes})'] = ('speculative', auto_trees[b])
+    if FLAGS.lookup:
+      decoders[b][f'accuracy tree + lookup ({auto_trees[b].num_nodes} + {FLAGS.lookup})'] = (
+          'speculative', trees.with_lookup(auto_trees[b], FLAGS.lookup))
 
   runs = {b: {name: [] for name in decoders[b]} for b in batch_sizes}
   for repeat in range(FLAGS.repeats):
@@ -125,8 +130,8 @@ def measure_workdir(workdir: str) -> dict:
         row['tree_choices'] = [list(c) for c in tree.choices]
       if decoder == 'speculative':
         tree_used = tree or trees.chain_tree(num_heads)
-        if tree_used.max_depth <= accuracies.shape[0] and max(tree_used.topk_per_depth) <= (
-            accuracies.shape[1]):
+        if (not tree_used.lookup_depth and tree_used.max_depth <= accuracies.shape[0]
+            and max(tree_used.topk_per_depth) <= accuracies.shape[1]):
           row['predicted_accepted'] = 1 + trees.expected_accepted_length(tree_used, accuracies)
         row['verify_cost'] = float(np.interp(tree_used.num_nodes, list(cost[b]['relative']),
                                              list(cost[b]['relative'].values())))

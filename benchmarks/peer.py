@@ -72,7 +72,7 @@ flags.DEFINE_integer('repeats', 3, 'Timed repeats (medians).')
 flags.DEFINE_integer('prompt_lookup_num_tokens', 10,
                      'Tokens HF prompt lookup drafts per step (10: the method\'s original '
                      'setting).')
-flags.DEFINE_integer('mtp_lookup', 5, 'Lookup drafts beside the mtp tree (0: no such row).')
+flags.DEFINE_integer('mtp_lookup', 8, 'Lookup drafts beside the mtp tree (0: no such row).')
 flags.DEFINE_enum('tree', 'auto', ['auto', 'default'], 'The mtp tree: auto (from measured head '
                   'accuracies and verification cost) or default (static Medusa-style).')
 flags.DEFINE_integer('threads', None, 'torch threads (default: all cores).')
