@@ -33,46 +33,35 @@ def _direct(hidden, w, tokens, segments, lam, weights, head_mask=None):
   return total, losses, accs
 
 
-def test_loss_equals_direct_computation_with_packed_documents():
+@pytest.mark.parametrize('segments, head_mask', [
+    ([[1, 1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 0, 0]], None),
+    # A prompt's positions (mask False) count for the trunk, not for the heads.
+    ([[1] * 9, [1] * 9], [[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1, 1]]),
+], ids=['packed_documents', 'head_mask'])
+def test_loss_equals_direct_computation(segments, head_mask):
   rng = np.random.default_rng(0)
   k1, b, t, d, v = 4, 2, 9, 8, 13
   hidden = jnp.asarray(rng.normal(size=(k1, b, t, d)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
   tokens = rng.integers(0, v, (b, t)).astype(np.int32)
-  segments = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 0, 0]], np.int32)
+  segments = np.array(segments, np.int32)
+  mask = None if head_mask is None else np.array(head_mask, bool)
   weights = loss_lib.head_weights(3, 0.8)
-  out = loss_lib.mtp_loss(hidden, w, jnp.asarray(tokens), jnp.asarray(segments),
-                          loss_scaling_factor=0.5, weights=weights, chunk_size=5)
-  total, losses, accs = _direct(hidden, w, tokens, segments, 0.5, weights)
-  np.testing.assert_allclose(out.total, total, rtol=1e-5)
-  np.testing.assert_allclose(out.metrics['ntp_loss'], losses[0], rtol=1e-5)
-  for k in (1, 2, 3):
-    np.testing.assert_allclose(out.metrics[f'head_{k}_loss'], losses[k], rtol=1e-5)
-    np.testing.assert_allclose(out.metrics[f'head_{k}_acc'], accs[k], rtol=1e-6)
 
+  def loss(mask):
+    return loss_lib.mtp_loss(hidden, w, jnp.asarray(tokens), jnp.asarray(segments),
+                             loss_scaling_factor=0.5, weights=weights, chunk_size=5,
+                             head_mask=None if mask is None else jnp.asarray(mask))
 
-def test_head_mask_keeps_the_heads_losses_off_masked_positions_only():
-  """A prompt's positions (mask False) count for the trunk, not for the heads."""
-  rng = np.random.default_rng(4)
-  k1, b, t, d, v = 3, 2, 10, 8, 13
-  hidden = jnp.asarray(rng.normal(size=(k1, b, t, d)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
-  tokens = rng.integers(0, v, (b, t)).astype(np.int32)
-  segments = np.ones((b, t), np.int32)
-  head_mask = np.arange(t)[None, :] >= np.array([[3], [6]])
-  weights = loss_lib.head_weights(2, 0.8)
-  out = loss_lib.mtp_loss(hidden, w, jnp.asarray(tokens), jnp.asarray(segments),
-                          loss_scaling_factor=1.0, weights=weights, chunk_size=7,
-                          head_mask=jnp.asarray(head_mask))
-  total, losses, accs = _direct(hidden, w, tokens, segments, 1.0, weights, head_mask)
+  out = loss(mask)
+  total, losses, accs = _direct(hidden, w, tokens, segments, 0.5, weights, mask)
   np.testing.assert_allclose(out.total, total, rtol=1e-5)
-  for k in (0, 1, 2):
+  for k in (0, 1, 2, 3):
     name = 'ntp' if k == 0 else f'head_{k}'
     np.testing.assert_allclose(out.metrics[f'{name}_loss'], losses[k], rtol=1e-5)
     np.testing.assert_allclose(out.metrics[f'{name}_acc'], accs[k], rtol=1e-6)
-  unmasked = loss_lib.mtp_loss(hidden, w, jnp.asarray(tokens), jnp.asarray(segments),
-                               loss_scaling_factor=1.0, weights=weights, chunk_size=7)
-  assert not np.isclose(unmasked.metrics['head_1_loss'], out.metrics['head_1_loss'])
+  if mask is not None:
+    assert not np.isclose(loss(None).metrics['head_1_loss'], out.metrics['head_1_loss'])
 
 
 @pytest.mark.parametrize('chunk_size', [4, 11, 0])
