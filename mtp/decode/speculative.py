@@ -14,7 +14,8 @@ Each loop iteration, for every row of the batch at once:
   5. draft the next block from the same pass: medusa and parallel heads are read at the last
      accepted node only (head logits for one position per row, not for the block); sequential
      (DeepSeek-V3) modules run in turn over the accepted path, module k + 1 reading the draft
-     of module k.
+     of module k. A tree with a lookup chain (`trees.with_lookup`, greedy) also copies the
+     tokens that followed the row's last few tokens earlier in its own text (`lookup.py`).
 
 All of it, prefill aside, is one jitted `lax.while_loop` over a `LoopState`; rows finish on
 their own and stop changing; nothing goes back to the host per step.
