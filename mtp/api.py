@@ -210,9 +210,6 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   if isinstance(lookup, bool) or int(lookup) != lookup or lookup < 0:
     raise ValueError(f'lookup must be a non-negative integer, got {lookup!r}')
   if decoder == 'speculative':
-    if lookup and temperature != 0:
-      raise ValueError('lookup drafts are verified greedily only (temperature 0), got '
-                       f'temperature {temperature}')
     options['tree'] = speculative.resolve_tree(model, _tree(loaded, tree, batch_size),
                                                int(lookup))
   elif tree is not None or lookup:

@@ -182,7 +182,7 @@ def test_lookup_drafts_are_exact_and_catch_repetitions(models, ar_model, prompts
                                max_new_tokens=max_new, tree=[(0,), (1,), (0, 0)],
                                lookup=lookup)
     np.testing.assert_array_equal(out.tokens, expected.tokens)
-    _check_statistics(out, 2 + lookup * 4 // 6)
+    _check_statistics(out, max(2, lookup))  # The tree is 2 deep, the lookup chain 6.
     steps[lookup] = np.asarray(out.num_steps)
   assert steps[6].sum() < 0.8 * steps[0].sum()
   assert steps[6][2] <= 15  # Row 2 is mostly one token repeated.
