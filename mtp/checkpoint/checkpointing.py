@@ -136,9 +136,6 @@ class Checkpointer:
           'untouched; move it away to resume from an earlier step.') from e
     return restored['params'], restored.get('opt_state') if abstract_opt_state else None
 
-  def wait(self) -> None:
-    self._manager.wait_until_finished()
-
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()

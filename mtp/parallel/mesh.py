@@ -111,10 +111,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P())
-
-
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """Places this process's rows of a global batch on the mesh (multi-host aware)."""
   sharding = batch_sharding(mesh)
@@ -122,11 +118,3 @@ def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array
     return {k: jax.device_put(v, sharding) for k, v in batch.items()}
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
-
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
-  """Starts multi-host JAX when more than one process is asked for (no-op otherwise)."""
-  if num_processes is None or num_processes <= 1:
-    return
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
