@@ -86,7 +86,8 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
   cache = model.init_cache(b, settings.capacity)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   # Padding slots get written too, but they lie at or past each row's length: scratch.
-  out, cache = model.step(prompts, positions, cache, jnp.zeros((b,), jnp.int32))
+  out, cache = model.step(prompts, positions, cache, jnp.zeros((b,), jnp.int32),
+                          with_heads=False)
   logits = model.logits(state_lib.gather_rows(out.normed, lengths - 1))
   rng, key = jax.random.split(rng)
   first = _sample(key, logits, settings)
@@ -112,7 +113,8 @@ def _run(structure, leaves, state: LoopState, max_steps: Array,
 
   def body(carry):
     i, s = carry
-    out, cache = model.step(s.last_token[:, None], s.lengths[:, None], s.cache, s.lengths)
+    out, cache = model.step(s.last_token[:, None], s.lengths[:, None], s.cache, s.lengths,
+                            with_heads=False)
     rng, key = _split(s.rng, settings)
     token = _sample(key, model.logits(out.normed[:, 0]), settings)
     active = ~s.done

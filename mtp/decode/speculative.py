@@ -115,50 +115,6 @@ class LoopState:
 # ------------------------------------------------------------------------------------------
 
 
-def _head_logits(model, out, index: Array, depth: int) -> Array:
-  """Medusa / parallel heads 1..depth at block node index[b] of each row -> [depth, B, V]."""
-  if model.cfg.mtp_head_type == 'medusa':
-    # Run the cheap ResBlocks on the one gathered position rather than on the whole block.
-    normed = state_lib.gather_rows(out.normed, index)
-    heads = jnp.stack(model.heads(normed)[:depth])
-  else:
-    block = out.head_normed[:depth]  # [depth, B, T, D]
-    heads = jnp.take_along_axis(block, index[None, :, None, None], axis=2)[:, :, 0]
-  return model.logits(heads)
-
-
-def _sequential_head_logits(model, depth: int, hidden: Array, ext: Array, last_index: Array,
-                            cache: kv_cache_lib.KVCache, lengths: Array):
-  """Runs sequential modules 1..depth over a contiguous block; drafts at `last_index`.
-
-  Args:
-    model: a model with sequential heads.
-    depth: modules to run.
-    hidden: [B, T, D] the trunk's h_0 at positions lengths .. lengths + T - 1.
-    ext: [B, T + depth] tokens at those positions; known up to last_index + 1 (the token the
-      trunk just chose). Module k's own drafts fill the columns after it, in turn.
-    last_index: [B] block index of the last accepted position: the drafts are read there.
-    cache: written at slots lengths .. lengths + T - 1 of each module's layer.
-    lengths: [B] committed slots before the block.
-
-  Returns:
-    (logits [depth, B, V] of modules 1..depth at last_index, cache).
-  """
-  t = hidden.shape[1]
-  positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  h = hidden
-  logits = []
-  for k in range(depth):
-    h, normed, cache = model.sequential_module_step(k, h, ext[:, k + 1:k + 1 + t], positions,
-                                                    cache, lengths)
-    head = model.logits(state_lib.gather_rows(normed, last_index))  # [B, V]
-    logits.append(head)
-    if k + 1 < depth:  # Module k + 2 reads this draft as token x_{t + k + 2} at last_index.
-      top1 = jnp.argmax(head, axis=-1).astype(ext.dtype)
-      ext = kv_cache_lib.write_rows(ext, top1[:, None], last_index + k + 2)
-  return jnp.stack(logits), cache
-
-
 def _drafts(tree: trees_lib.Tree, logits: Array, context: Array, lengths: Array) -> Array:
   """Head logits [D, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
 
@@ -186,13 +142,6 @@ def _compact(cache: kv_cache_lib.KVCache, lengths: Array, path: Array,
                               values=moved.values + cache.values[num_layers:])
 
 
-def _verified_layers(model) -> int:
-  """Cache layers a verification step writes: the trunk's, and parallel heads' layers."""
-  if model.cfg.mtp_head_type == 'parallel':
-    return model.num_cache_layers
-  return model.cfg.trunk.num_layers
-
-
 # ------------------------------------------------------------------------------------------
 # The compiled pieces.
 # ------------------------------------------------------------------------------------------
@@ -215,13 +164,10 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
   last_index = lengths - 1
   rng, key = jax.random.split(rng)
   first = _sample(key, model.logits(state_lib.gather_rows(out.normed, last_index)), settings)
-  if model.cfg.mtp_head_type == 'sequential':
-    ext = jnp.concatenate([prompts, jnp.zeros((b, depth), prompts.dtype)], axis=1)
-    ext = kv_cache_lib.write_rows(ext, first[:, None].astype(ext.dtype), lengths)
-    head_logits, cache = _sequential_head_logits(model, depth, out.hidden, ext, last_index,
-                                                 cache, jnp.zeros((b,), jnp.int32))
-  else:
-    head_logits = _head_logits(model, out, last_index, depth)
+  ext = jnp.concatenate([prompts, jnp.zeros((b, depth), prompts.dtype)], axis=1)
+  ext = kv_cache_lib.write_rows(ext, first[:, None].astype(ext.dtype), lengths)
+  head_logits, cache = model.draft_logits(out.features, ext, last_index, cache,
+                                          jnp.zeros((b,), jnp.int32), depth)
   buffer = jnp.full((b, settings.max_new_tokens + settings.depth + 1), pad_id, jnp.int32)
   context = jnp.zeros((b, 0), jnp.int32)
   if tree.lookup_depth:  # Spare columns: writes of a block near the end never clamp.
@@ -279,8 +225,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
   """Runs draft-verify-accept steps until every row is done or `max_steps` steps were taken."""
   model = state_lib.merge(structure, leaves)
   tree, depth, head_depth = settings.tree, settings.depth, settings.tree.head_depth
-  sequential = model.cfg.mtp_head_type == 'sequential'
-  num_verified_layers = _verified_layers(model)
+  num_verified_layers = model.num_verified_cache_layers
   columns = jnp.arange(depth + 1)[None, :]
 
   def cond(carry):
@@ -305,17 +250,13 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
 
     if not tree.is_chain:  # A chain's accepted prefix already sits at lengths .. lengths + n.
       cache = _compact(cache, s.lengths, path, num_verified_layers)
-    if sequential:
-      # The accepted path is contiguous now: run the modules over it (positions lengths ..).
-      hidden = jnp.take_along_axis(out.hidden, path[:, :, None], axis=1)
-      ext = jnp.concatenate([path_tokens, jnp.zeros((path.shape[0], head_depth), jnp.int32)],
-                            1)
-      ext = kv_cache_lib.write_rows(ext, next_token[:, None], num_accepted + 1)
-      head_logits, cache = _sequential_head_logits(model, head_depth, hidden, ext,
-                                                   num_accepted, cache, s.lengths)
-    else:
-      last_node = state_lib.gather_rows(path, num_accepted)
-      head_logits = _head_logits(model, out, last_node, head_depth)
+    # The accepted path is contiguous in the cache now (slots lengths ..): draft from it.
+    features = jax.tree.map(lambda f: jnp.take_along_axis(
+        f, path.reshape(path.shape + (1,) * (f.ndim - 2)), axis=1), out.features)
+    ext = jnp.concatenate([path_tokens, jnp.zeros((path.shape[0], head_depth), jnp.int32)], 1)
+    ext = kv_cache_lib.write_rows(ext, next_token[:, None], num_accepted + 1)
+    head_logits, cache = model.draft_logits(features, ext, num_accepted, cache, s.lengths,
+                                            head_depth)
     lengths = s.lengths + num_accepted + 1
     context = s.context
     if tree.lookup_depth:  # Emitted tokens sit at positions s.lengths + 1 .. lengths.

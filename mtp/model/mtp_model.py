@@ -59,12 +59,13 @@ class StepOutput:
   Attributes:
     hidden: [B, T, D] the trunk's last hidden state before the final norm (h_0).
     normed: [B, T, D] after the final norm: `model.logits(normed)` are the trunk's logits.
-    head_normed: [K, B, T, D] the heads' outputs for families that run in the same pass
-      (medusa, parallel), else None (sequential heads need the next tokens: `draft_sequential`).
+    features: what the heads draft from, a pytree of [B, T, ...] arrays (one entry per block
+      token, family-defined), or None when the step ran without heads. Gathered along the
+      accepted path, it is what `MTPModel.draft_logits` reads.
   """
   hidden: Array
   normed: Array
-  head_normed: Array | None
+  features: object
 
 
 class MTPModel(nnx.Module):
@@ -158,8 +159,15 @@ class MTPModel(nnx.Module):
         outputs += self.heads(hidden, self.shifted_embeddings(tokens), positions, mask)[0]
     return jnp.stack(outputs)
 
+  @property
+  def num_verified_cache_layers(self) -> int:
+    """Cache layers a verification `step` writes (the trunk's, and heads that run in it)."""
+    if self.cfg.mtp_head_type == 'parallel':
+      return self.num_cache_layers
+    return self.cfg.trunk.num_layers
+
   def step(self, tokens: Array, positions: Array, cache: kv_cache_lib.KVCache,
-           lengths: Array, block_mask: Array | None = None
+           lengths: Array, block_mask: Array | None = None, *, with_heads: bool = True
            ) -> tuple[StepOutput, kv_cache_lib.KVCache]:
     """Cached forward of T new tokens per row (prefill or verification).
 
@@ -169,6 +177,7 @@ class MTPModel(nnx.Module):
       cache: from `init_cache`.
       lengths: [B] committed slots per row.
       block_mask: [T, T] or [B, T, T]: which new tokens each new token sees; causal if None.
+      with_heads: also compute what the heads draft from (`StepOutput.features`).
 
     Returns:
       (StepOutput, cache with the new tokens' keys and values written in every layer it ran).
@@ -176,19 +185,60 @@ class MTPModel(nnx.Module):
     hidden, cache = self.trunk(tokens, positions, cache=cache, lengths=lengths,
                                block_mask=block_mask)
     normed = self.trunk.final_norm(hidden)
-    head_normed = None
-    if self.cfg.mtp_head_type == 'medusa' and self.heads is not None:
-      head_normed = jnp.stack(self.heads(normed))
-    elif self.cfg.mtp_head_type == 'parallel' and self.heads is not None:
-      t = tokens.shape[1]
-      if block_mask is None:
-        block_mask = jnp.tril(jnp.ones((t, t), bool))
-      mask = transformer.cached_mask(lengths, block_mask, cache.capacity)
-      outputs, updated = self.heads(hidden, positions, mask, cache, lengths,
-                                    first_layer=self.cfg.trunk.num_layers)
-      head_normed = jnp.stack(outputs)
-      cache = transformer.replace_layers(cache, self.cfg.trunk.num_layers, updated)
-    return StepOutput(hidden=hidden, normed=normed, head_normed=head_normed), cache
+    features = None
+    if with_heads and self.heads is not None:
+      if self.cfg.mtp_head_type == 'medusa':
+        features = normed
+      elif self.cfg.mtp_head_type == 'parallel':
+        t = tokens.shape[1]
+        if block_mask is None:
+          block_mask = jnp.tril(jnp.ones((t, t), bool))
+        mask = transformer.cached_mask(lengths, block_mask, cache.capacity)
+        outputs, updated = self.heads(hidden, positions, mask, cache, lengths,
+                                      first_layer=self.cfg.trunk.num_layers)
+        features = jnp.stack(outputs, axis=2)  # [B, T, K, D]
+        cache = transformer.replace_layers(cache, self.cfg.trunk.num_layers, updated)
+      else:
+        features = hidden
+    return StepOutput(hidden=hidden, normed=normed, features=features), cache
+
+  def draft_logits(self, features, tokens: Array, last_index: Array,
+                   cache: kv_cache_lib.KVCache, lengths: Array, depth: int
+                   ) -> tuple[Array, kv_cache_lib.KVCache]:
+    """The heads' draft logits after a step, at the last accepted token of each row.
+
+    Args:
+      features: `StepOutput.features` along a contiguous run of T tokens from slot `lengths`
+        (the prompt after a prefill; the accepted path after a verification).
+      tokens: [B, T + depth] the tokens at those slots, known through last_index + 1 (the
+        token the trunk just chose); later columns are scratch.
+      last_index: [B] index of the last accepted token in the run: the drafts continue it.
+      cache: heads that attend keep their layers here (written at the run's slots).
+      lengths: [B] committed slots before the run.
+      depth: heads to read (1..K).
+
+    Returns:
+      (logits [depth, B, V] of heads 1..depth, cache).
+    """
+    if self.cfg.mtp_head_type == 'medusa':
+      # The cheap ResBlocks run on the one gathered position, not on the whole run.
+      normed = _gather_rows(features, last_index)
+      return self.logits(jnp.stack(self.heads(normed)[:depth])), cache
+    if self.cfg.mtp_head_type == 'parallel':
+      heads = jnp.moveaxis(_gather_rows(features, last_index), 1, 0)[:depth]  # [depth, B, D]
+      return self.logits(heads), cache
+    t = features.shape[1]
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    h, logits = features, []
+    for k in range(depth):
+      h, normed, cache = self.sequential_module_step(k, h, tokens[:, k + 1:k + 1 + t], positions,
+                                                     cache, lengths)
+      head = self.logits(_gather_rows(normed, last_index))  # [B, V]
+      logits.append(head)
+      if k + 1 < depth:  # Module k + 2 reads this draft as token x_{t + k + 2} at last_index.
+        top1 = jnp.argmax(head, axis=-1).astype(tokens.dtype)
+        tokens = kv_cache_lib.write_rows(tokens, top1[:, None], last_index + k + 2)
+    return jnp.stack(logits), cache
 
   def sequential_module_step(self, index: int, hidden_prev: Array, next_tokens: Array,
                              positions: Array, cache: kv_cache_lib.KVCache, lengths: Array,
@@ -211,3 +261,9 @@ class MTPModel(nnx.Module):
         hidden_prev, self.trunk.embed(next_tokens), positions, mask,
         (cache.keys[layer], cache.values[layer]), lengths)
     return h, out, transformer.replace_layers(cache, layer, [layer_cache])
+
+
+def _gather_rows(x: Array, index: Array) -> Array:
+  """x[b, index[b]]: x [B, T, ...], index [B] -> [B, ...]."""
+  index = index.reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.take_along_axis(x, index, axis=1)[:, 0]

@@ -241,13 +241,15 @@ def rollout_forward(graphdef, seq_len: int) -> Callable:
     b, p = prompts.shape
     cache = model.init_cache(b, seq_len)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out, cache = model.step(prompts, positions, cache, jnp.zeros((b,), jnp.int32))
+    out, cache = model.step(prompts, positions, cache, jnp.zeros((b,), jnp.int32),
+                          with_heads=False)
     predictions = jnp.argmax(model.logits(out.normed), axis=-1).astype(jnp.int32)
 
     def one_token(carry, position):
       token, cache = carry
       lengths = jnp.full((b,), position, jnp.int32)
-      step, cache = model.step(token[:, None], lengths[:, None], cache, lengths)
+      step, cache = model.step(token[:, None], lengths[:, None], cache, lengths,
+                               with_heads=False)
       following = jnp.argmax(model.logits(step.normed[:, 0]), axis=-1).astype(jnp.int32)
       return (following, cache), (token, step.hidden[:, 0].astype(jnp.float32), following)
 
