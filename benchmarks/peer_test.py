@@ -70,7 +70,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
   result = json.loads((out / 'peer.json').read_text())
   assert result['speculative_equals_autoregressive'] is True
   rows = {(r['kind'], r['batch_size'], r['decoder']): r for r in result['rows']}
-  assert len(rows) == 2 * 2 * 5
+  assert len(rows) == 2 * 2 * 6  # kinds x batch sizes x decoders (tree + lookup included)
   assert 'not_applicable' in rows['code', 2, peer.HF_LOOKUP]
   for (kind, b, name), row in rows.items():
     if 'not_applicable' not in row:
