@@ -1,17 +1,22 @@
 """Trunk + multi-token heads + shared unembedding.
 
-Three entry points:
+Entry points:
   * `__call__` (training): hidden states of the trunk and of every head, [K+1, B, T, D], ready
     for the shared unembedding. The loss turns them into logits a chunk at a time, so the
     full-vocabulary logits of all heads never exist at once.
   * `step` (prefill and verification): T new tokens per row through the trunk with a KV cache,
-    plus the heads' hidden states where the family can compute them in the same pass.
+    plus the `features` the heads draft from (computed in the same pass by families that run
+    in it).
+  * `draft_logits`: the heads' draft logits [depth, B, V] at the last accepted token.
   * `logits`: projects hidden states through the shared output layer.
+
+Everything family-specific sits behind the `mtp.model.heads.HeadFamily` protocol.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.struct
 import jax
@@ -25,31 +30,62 @@ from mtp.model import transformer
 Array = jax.Array
 
 
+def upgrade_legacy_config(config):
+  """A `config.json` dict (or ConfigDict) written before `model.num_heads` was renamed
+  `model.num_attention_heads`, with the new key; other configs come back unchanged.
+
+  Changes `config` in place and returns it.
+  """
+  model = config['model'] if 'model' in config else None
+  if model is not None and 'num_heads' in model and 'num_attention_heads' not in model:
+    value = model['num_heads']
+    if isinstance(model, dict):
+      del model['num_heads']
+      model['num_attention_heads'] = value
+    else:  # A ConfigDict: its keys cannot be deleted while locked.
+      with model.unlocked():
+        del model['num_heads']
+        model['num_attention_heads'] = value
+  return config
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The trunk's shape and the heads: built from `config.model` by `from_config`."""
+  """The trunk's shape and the heads: built from `config.model` by `from_config`.
+
+  `head_options` holds the head family's own `config.model` keys (its `OPTIONS`) as sorted
+  (key, value) pairs; the family's defaults fill in missing ones.
+  """
   trunk: transformer.TransformerConfig
   mtp_num_heads: int = 0
   mtp_head_type: str = 'medusa'
-  medusa_num_layers: int = 1
+  head_options: tuple[tuple[str, Any], ...] = ()
 
   @classmethod
   def from_config(cls, model_config) -> 'ModelConfig':
     model_config = dict(model_config)
+    head_type = model_config.get('mtp_head_type', 'medusa')
+    options = heads_lib.FAMILIES[head_type].OPTIONS if head_type in heads_lib.FAMILIES else {}
     return cls(trunk=transformer.TransformerConfig.from_config(model_config),
-               mtp_num_heads=model_config.get('mtp_num_heads', 0),
-               mtp_head_type=model_config.get('mtp_head_type', 'medusa'),
-               medusa_num_layers=model_config.get('medusa_num_layers', 1))
+               mtp_num_heads=model_config.get('mtp_num_heads', 0), mtp_head_type=head_type,
+               head_options=tuple(sorted((k, model_config[k]) for k in options
+                                         if k in model_config)))
+
+  @property
+  def family(self) -> type[heads_lib.HeadFamily]:
+    return heads_lib.family(self.mtp_head_type)
+
+  @property
+  def options(self) -> dict[str, Any]:
+    """The family's options: its defaults, overridden by `head_options`."""
+    return {**self.family.OPTIONS, **dict(self.head_options)}
 
   def validate(self) -> None:
     self.trunk.validate()
-    if self.mtp_head_type not in heads_lib.HEAD_TYPES:
-      raise ValueError(f'Unknown model.mtp_head_type {self.mtp_head_type!r}; expected one of '
-                       f'{", ".join(heads_lib.HEAD_TYPES)}.')
+    family = self.family  # Raises for an unknown name.
     if self.mtp_num_heads < 0:
       raise ValueError(f'model.mtp_num_heads must be >= 0, got {self.mtp_num_heads}.')
-    if self.mtp_head_type == 'medusa' and self.medusa_num_layers < 1:
-      raise ValueError(f'model.medusa_num_layers must be >= 1, got {self.medusa_num_layers}.')
+    family.validate_options(self.options)
 
 
 @flax.struct.dataclass
@@ -69,30 +105,33 @@ class StepOutput:
 
 
 class MTPModel(nnx.Module):
-  """A Llama-style trunk with K multi-token heads sharing its output layer."""
+  """A Llama-style trunk with K multi-token heads sharing its output layer.
+
+  The heads are a `heads_lib.HeadFamily` picked by `cfg.mtp_head_type`; this class calls the
+  protocol only, and never names a family.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     cfg.validate()
     self.cfg = cfg
     self.trunk = transformer.Transformer(cfg.trunk, rngs=rngs)
-    k = cfg.mtp_num_heads
-    if k == 0:
-      self.heads = None
-    elif cfg.mtp_head_type == 'medusa':
-      self.heads = heads_lib.MedusaHeads(cfg.trunk, k, cfg.medusa_num_layers, rngs=rngs)
-    elif cfg.mtp_head_type == 'parallel':
-      self.heads = heads_lib.ParallelHeads(cfg.trunk, k, rngs=rngs)
-    else:
-      self.heads = heads_lib.SequentialHeads(cfg.trunk, k, rngs=rngs)
+    self.heads = (cfg.family(cfg.trunk, cfg.mtp_num_heads, cfg.options, rngs=rngs)
+                  if cfg.mtp_num_heads else None)
 
   @property
-  def num_heads(self) -> int:
+  def mtp_num_heads(self) -> int:
     return self.cfg.mtp_num_heads
 
   @property
   def num_cache_layers(self) -> int:
-    """Trunk layers plus one per head layer that attends (parallel and sequential heads)."""
+    """Trunk layers plus the heads' own (those of heads that attend)."""
     extra = self.heads.num_cache_layers if self.heads is not None else 0
+    return self.cfg.trunk.num_layers + extra
+
+  @property
+  def num_verified_cache_layers(self) -> int:
+    """Cache layers a verification `step` writes (the trunk's, and heads that run in it)."""
+    extra = self.heads.num_verified_cache_layers if self.heads is not None else 0
     return self.cfg.trunk.num_layers + extra
 
   def init_cache(self, batch_size: int, capacity: int, dtype=None) -> kv_cache_lib.KVCache:
@@ -108,16 +147,6 @@ class MTPModel(nnx.Module):
   def logits(self, normed: Array) -> Array:
     """Normalised hidden states [..., D] -> float32 logits [..., V]."""
     return self.trunk.logits(normed)
-
-  def shifted_embeddings(self, tokens: Array) -> list[Array]:
-    """For sequential heads: entry k-1 is embed(x_{t+k}) at t (zeros past the end), k=1..K."""
-    embeds = self.trunk.embed(tokens)
-    t = tokens.shape[1]
-    out = []
-    for k in range(1, self.num_heads + 1):
-      shifted = embeds[:, k:]
-      out.append(jnp.pad(shifted, ((0, 0), (0, min(k, t)), (0, 0)))[:, :t])
-    return out
 
   def __call__(self, tokens: Array, positions: Array, segment_ids: Array | None = None) -> Array:
     """Training forward.
@@ -151,20 +180,8 @@ class MTPModel(nnx.Module):
     outputs = [normed]
     if self.heads is not None:
       mask = transformer.training_mask(segment_ids)
-      if self.cfg.mtp_head_type == 'medusa':
-        outputs += self.heads(normed)
-      elif self.cfg.mtp_head_type == 'parallel':
-        outputs += self.heads(hidden, positions, mask)[0]
-      else:
-        outputs += self.heads(hidden, self.shifted_embeddings(tokens), positions, mask)[0]
+      outputs += self.heads(self.trunk, hidden, normed, tokens, positions, mask)
     return jnp.stack(outputs)
-
-  @property
-  def num_verified_cache_layers(self) -> int:
-    """Cache layers a verification `step` writes (the trunk's, and heads that run in it)."""
-    if self.cfg.mtp_head_type == 'parallel':
-      return self.num_cache_layers
-    return self.cfg.trunk.num_layers
 
   def step(self, tokens: Array, positions: Array, cache: kv_cache_lib.KVCache,
            lengths: Array, block_mask: Array | None = None, *, with_heads: bool = True
@@ -182,24 +199,15 @@ class MTPModel(nnx.Module):
     Returns:
       (StepOutput, cache with the new tokens' keys and values written in every layer it ran).
     """
+    if block_mask is None:
+      block_mask = heads_lib.causal_mask(tokens.shape[1])
     hidden, cache = self.trunk(tokens, positions, cache=cache, lengths=lengths,
                                block_mask=block_mask)
     normed = self.trunk.final_norm(hidden)
     features = None
     if with_heads and self.heads is not None:
-      if self.cfg.mtp_head_type == 'medusa':
-        features = normed
-      elif self.cfg.mtp_head_type == 'parallel':
-        t = tokens.shape[1]
-        if block_mask is None:
-          block_mask = jnp.tril(jnp.ones((t, t), bool))
-        mask = transformer.cached_mask(lengths, block_mask, cache.capacity)
-        outputs, updated = self.heads(hidden, positions, mask, cache, lengths,
-                                      first_layer=self.cfg.trunk.num_layers)
-        features = jnp.stack(outputs, axis=2)  # [B, T, K, D]
-        cache = transformer.replace_layers(cache, self.cfg.trunk.num_layers, updated)
-      else:
-        features = hidden
+      features, cache = self.heads.verify(hidden, normed, positions, block_mask, cache, lengths,
+                                          first_layer=self.cfg.trunk.num_layers)
     return StepOutput(hidden=hidden, normed=normed, features=features), cache
 
   def draft_logits(self, features, tokens: Array, last_index: Array,
@@ -220,50 +228,5 @@ class MTPModel(nnx.Module):
     Returns:
       (logits [depth, B, V] of heads 1..depth, cache).
     """
-    if self.cfg.mtp_head_type == 'medusa':
-      # The cheap ResBlocks run on the one gathered position, not on the whole run.
-      normed = _gather_rows(features, last_index)
-      return self.logits(jnp.stack(self.heads(normed)[:depth])), cache
-    if self.cfg.mtp_head_type == 'parallel':
-      heads = jnp.moveaxis(_gather_rows(features, last_index), 1, 0)[:depth]  # [depth, B, D]
-      return self.logits(heads), cache
-    t = features.shape[1]
-    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    h, logits = features, []
-    for k in range(depth):
-      h, normed, cache = self.sequential_module_step(k, h, tokens[:, k + 1:k + 1 + t], positions,
-                                                     cache, lengths)
-      head = self.logits(_gather_rows(normed, last_index))  # [B, V]
-      logits.append(head)
-      if k + 1 < depth:  # Module k + 2 reads this draft as token x_{t + k + 2} at last_index.
-        top1 = jnp.argmax(head, axis=-1).astype(tokens.dtype)
-        tokens = kv_cache_lib.write_rows(tokens, top1[:, None], last_index + k + 2)
-    return jnp.stack(logits), cache
-
-  def sequential_module_step(self, index: int, hidden_prev: Array, next_tokens: Array,
-                             positions: Array, cache: kv_cache_lib.KVCache, lengths: Array,
-                             block_mask: Array | None = None):
-    """Runs sequential module `index` (0-based) on T tokens with its cache layer.
-
-    Args:
-      hidden_prev: [B, T, D] h_{k-1} at the T positions.
-      next_tokens: [B, T] x_{t+k} at each position t (drafts where not yet known).
-
-    Returns:
-      (h_k [B, T, D], normalised output [B, T, D], updated cache).
-    """
-    t = next_tokens.shape[1]
-    if block_mask is None:
-      block_mask = jnp.tril(jnp.ones((t, t), bool))
-    mask = transformer.cached_mask(lengths, block_mask, cache.capacity)
-    layer = self.cfg.trunk.num_layers + index
-    h, out, layer_cache = self.heads.layers[index](
-        hidden_prev, self.trunk.embed(next_tokens), positions, mask,
-        (cache.keys[layer], cache.values[layer]), lengths)
-    return h, out, transformer.replace_layers(cache, layer, [layer_cache])
-
-
-def _gather_rows(x: Array, index: Array) -> Array:
-  """x[b, index[b]]: x [B, T, ...], index [B] -> [B, ...]."""
-  index = index.reshape((-1,) + (1,) * (x.ndim - 1))
-  return jnp.take_along_axis(x, index, axis=1)[:, 0]
+    return self.heads.draft(self.trunk, features, tokens, last_index, cache, lengths, depth,
+                            first_layer=self.cfg.trunk.num_layers)

@@ -41,7 +41,7 @@ class TransformerConfig:
   vocab_size: int
   embed_dim: int
   num_layers: int
-  num_heads: int
+  num_attention_heads: int
   num_kv_heads: int
   head_dim: int
   mlp_dim: int
@@ -57,16 +57,21 @@ class TransformerConfig:
 
   @classmethod
   def from_config(cls, model_config) -> 'TransformerConfig':
+    """From `config.model`; also reads the legacy key `num_heads` (attention heads)."""
+    model_config = dict(model_config)
+    if 'num_heads' in model_config and 'num_attention_heads' not in model_config:
+      model_config['num_attention_heads'] = model_config['num_heads']
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in dict(model_config).items() if k in names})
+    return cls(**{k: v for k, v in model_config.items() if k in names})
 
   def validate(self) -> None:
-    for name in ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads',
+    for name in ('vocab_size', 'embed_dim', 'num_layers', 'num_attention_heads', 'num_kv_heads',
                  'head_dim', 'mlp_dim', 'max_seq_len'):
       if getattr(self, name) <= 0:
         raise ValueError(f'model.{name} must be positive, got {getattr(self, name)}.')
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(f'model.num_heads ({self.num_heads}) must be a multiple of '
+    if self.num_attention_heads % self.num_kv_heads:
+      raise ValueError(f'model.num_attention_heads ({self.num_attention_heads}) must be a '
+                       f'multiple of '
                        f'model.num_kv_heads ({self.num_kv_heads}).')
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'model.remat must be one of {", ".join(REMAT_POLICIES)}, got '
@@ -126,17 +131,17 @@ class Attention(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
-    out_init = nnx.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5
+    out_init = nnx.initializers.normal((cfg.num_attention_heads * cfg.head_dim) ** -0.5
                                        / (2 * cfg.num_layers) ** 0.5)
     common = dict(use_bias=False, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
                   rngs=rngs)
-    self.q_proj = nnx.Linear(cfg.embed_dim, cfg.num_heads * cfg.head_dim,
+    self.q_proj = nnx.Linear(cfg.embed_dim, cfg.num_attention_heads * cfg.head_dim,
                              kernel_init=partitioned(init, 'embed', 'heads'), **common)
     self.k_proj = nnx.Linear(cfg.embed_dim, cfg.num_kv_heads * cfg.head_dim,
                              kernel_init=partitioned(init, 'embed', 'kv_heads'), **common)
     self.v_proj = nnx.Linear(cfg.embed_dim, cfg.num_kv_heads * cfg.head_dim,
                              kernel_init=partitioned(init, 'embed', 'kv_heads'), **common)
-    self.o_proj = nnx.Linear(cfg.num_heads * cfg.head_dim, cfg.embed_dim,
+    self.o_proj = nnx.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.embed_dim,
                              kernel_init=partitioned(out_init, 'heads', 'embed'), **common)
 
   def __call__(self, x: Array, positions: Array, mask: Array,
@@ -150,7 +155,7 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     q = rotary_embedding(q, positions, cfg.rope_theta)
@@ -161,7 +166,7 @@ class Attention(nnx.Module):
       k, v = keys.astype(q.dtype), values.astype(q.dtype)
       cache = (keys, values)
     out = jax.nn.dot_product_attention(q, k, v, mask=mask)
-    return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), cache
+    return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,161 @@
+"""Multi-token prediction head families behind one protocol, and the registry of their names.
+
+Head k (1..K) predicts token t+1+k from position t. Every family returns, per head, normalised
+hidden states ready for the trunk's shared unembedding, so the loss and the decoder treat all
+families alike. Shape letters are those of `mtp.model`.
+
+A family is an `nnx.Module` subclass of `HeadFamily` that owns:
+  * its parameters, built from the trunk's config, K and its own config options (`OPTIONS`:
+    `config.model` keys with defaults, checked by `validate_options`);
+  * its training forward (`__call__`): the trunk's states -> K arrays [B, T, D];
+  * its KV-cache layers (`num_cache_layers`), which follow the trunk's layers in the cache;
+  * whether it runs inside the verification pass (`RUNS_IN_VERIFICATION`; it then writes all
+    of its cache layers there) and its part of that pass (`verify`), which returns the
+    per-token `features` pytree ([B, T, ...] arrays) the family drafts from;
+  * its drafting step (`draft`): from the features along a run of accepted tokens, the draft
+    logits [depth, B, V] at the run's last accepted token.
+
+How to add a head family: write `mtp/model/heads/<name>.py` with one `HeadFamily` subclass that
+implements the methods above (see `medusa.py` for the smallest, `sequential.py` for one that
+drafts autoregressively with its own cache layers), then add one line to `FAMILIES` below.
+`config.model.mtp_head_type=<name>` then trains it (`MTPModel.__call__`) and drafts with it
+(`MTPModel.step` / `draft_logits`); nothing else names families. Give the module's list of
+per-head children the attribute name `layers`, so parameter paths read `heads/layers/{k}/...`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp.model import kv_cache as kv_cache_lib
+from mtp.model import transformer
+from mtp.model.heads.legacy import is_legacy_tree, upgrade_legacy_tree  # noqa: F401  (the API)
+
+Array = jax.Array
+
+
+class HeadFamily(nnx.Module):
+  """The protocol every head family implements (an abstract base class).
+
+  Families receive the trunk module itself (`transformer.Transformer`) where they need its
+  shared parts: `trunk.embed` (token embeddings) and `trunk.logits` (the shared output layer).
+  """
+  # config.model keys this family reads, with their defaults.
+  OPTIONS: ClassVar[Mapping[str, Any]] = {}
+  # Whether `verify` runs inside the verification pass (and writes all the family's cache
+  # layers there); otherwise the features are the trunk's own states and `verify` is free.
+  RUNS_IN_VERIFICATION: ClassVar[bool] = False
+
+  def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
+               options: Mapping[str, Any], *, rngs: nnx.Rngs):
+    """Builds K = num_heads heads; `options` holds every key of `OPTIONS`."""
+    raise NotImplementedError
+
+  @classmethod
+  def validate_options(cls, options: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the config key of a bad option (`model.<key>`)."""
+
+  @property
+  def num_cache_layers(self) -> int:
+    """KV-cache layers the family needs after the trunk's (0 if its heads do not attend)."""
+    return 0
+
+  @property
+  def num_verified_cache_layers(self) -> int:
+    """Of those, the layers a verification pass writes: all of them or none."""
+    return self.num_cache_layers if self.RUNS_IN_VERIFICATION else 0
+
+  def __call__(self, trunk: transformer.Transformer, hidden: Array, normed: Array,
+               tokens: Array, positions: Array, mask: Array) -> list[Array]:
+    """Training forward.
+
+    Args:
+      trunk: the trunk (for `embed`).
+      hidden: [B, T, D] the trunk's last hidden state before the final norm (h_0).
+      normed: [B, T, D] the same after the final norm.
+      tokens, positions: [B, T].
+      mask: [B, 1, T, T] the training attention mask (causal within each packed document).
+
+    Returns:
+      K arrays [B, T, D]: head k's normalised hidden state (predicting token t+1+k).
+    """
+    raise NotImplementedError
+
+  def verify(self, hidden: Array, normed: Array, positions: Array, block_mask: Array,
+             cache: kv_cache_lib.KVCache, lengths: Array, first_layer: int
+             ) -> tuple[Any, kv_cache_lib.KVCache]:
+    """The family's part of a cached step (prefill or verification) of T tokens.
+
+    Args:
+      hidden, normed: [B, T, D] the trunk's states for the new tokens.
+      positions: [B, T] their positions.
+      block_mask: [T, T] or [B, T, T] visibility inside the new block.
+      cache: the cache, the trunk's layers already written.
+      lengths: [B] committed slots before the new tokens.
+      first_layer: the family's first cache layer (the trunk's layer count).
+
+    Returns:
+      (features: a pytree of [B, T, ...] arrays, the cache with the layers it wrote).
+    """
+    raise NotImplementedError
+
+  def draft(self, trunk: transformer.Transformer, features: Any, tokens: Array,
+            last_index: Array, cache: kv_cache_lib.KVCache, lengths: Array, depth: int,
+            first_layer: int) -> tuple[Array, kv_cache_lib.KVCache]:
+    """Draft logits at the last accepted token (see `MTPModel.draft_logits`).
+
+    Args:
+      trunk: the trunk (for `embed` and `logits`).
+      features: `verify`'s features along a contiguous run of T tokens from slot `lengths`.
+      tokens: [B, T + depth] the run's tokens, known through last_index + 1; later columns are
+        scratch.
+      last_index: [B] index of the last accepted token in the run.
+      cache: the family's layers may be written at the run's slots.
+      lengths: [B] committed slots before the run.
+      depth: heads to read (1..K).
+      first_layer: the family's first cache layer.
+
+    Returns:
+      (float32 logits [depth, B, V] of heads 1..depth, cache).
+    """
+    raise NotImplementedError
+
+
+def gather_rows(x: Array, index: Array) -> Array:
+  """x[b, index[b]]: x [B, T, ...], index [B] -> [B, ...]."""
+  index = index.reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.take_along_axis(x, index, axis=1)[:, 0]
+
+
+def causal_mask(t: int) -> Array:
+  """[T, T] lower-triangular block mask (a chain of new tokens)."""
+  return jnp.tril(jnp.ones((t, t), bool))
+
+
+def layer_cache(cache: kv_cache_lib.KVCache | None, layer: int):
+  """(keys, values) of one cache layer, or None without a cache."""
+  return None if cache is None else (cache.keys[layer], cache.values[layer])
+
+
+# The registry: config name (`model.mtp_head_type`) -> family. Imported last: the family
+# modules import the protocol above.
+from mtp.model.heads import medusa, parallel, sequential  # noqa: E402  pylint: disable=C0413
+
+FAMILIES: dict[str, type[HeadFamily]] = {
+    'medusa': medusa.MedusaHeads,
+    'parallel': parallel.ParallelHeads,
+    'sequential': sequential.SequentialHeads,
+}
+
+
+def family(name: str) -> type[HeadFamily]:
+  """The family registered as `name`; ValueError naming the known ones otherwise."""
+  if name not in FAMILIES:
+    raise ValueError(f'Unknown model.mtp_head_type {name!r}; expected one of '
+                     f'{", ".join(FAMILIES)}.')
+  return FAMILIES[name]
+

@@ -1,0 +1,72 @@
+"""Medusa heads (Cai et al. 2024): ResBlocks on the trunk's normalised last hidden state.
+
+Each residual branch starts at zero, so every head starts out predicting what the trunk
+predicts. The heads do not attend: they need no cache, and they stay out of the verification
+pass (they draft from the trunk's normed states, gathered at the last accepted token).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp.model import heads
+from mtp.model import transformer
+
+Array = jax.Array
+
+
+class ResBlock(nnx.Module):
+  """x + silu(W x + b), W and b initialised to zero (Medusa)."""
+
+  def __init__(self, cfg: transformer.TransformerConfig, *, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(
+        cfg.embed_dim, cfg.embed_dim, dtype=transformer.dtype_of(cfg.dtype),
+        param_dtype=transformer.dtype_of(cfg.param_dtype),
+        kernel_init=transformer.partitioned(nnx.initializers.zeros_init(), 'embed', 'mlp'),
+        bias_init=transformer.partitioned(nnx.initializers.zeros_init(), 'mlp'), rngs=rngs)
+
+  def __call__(self, x: Array) -> Array:
+    return x + jax.nn.silu(self.linear(x))
+
+
+class MedusaHead(nnx.Module):
+  """One head: `num_layers` ResBlocks in a row."""
+
+  def __init__(self, cfg: transformer.TransformerConfig, num_layers: int, *, rngs: nnx.Rngs):
+    self.blocks = nnx.List([ResBlock(cfg, rngs=rngs) for _ in range(num_layers)])
+
+  def __call__(self, x: Array) -> Array:
+    for block in self.blocks:
+      x = block(x)
+    return x
+
+
+class MedusaHeads(heads.HeadFamily):
+  """K heads of `medusa_num_layers` ResBlocks each, on the trunk's normalised hidden state."""
+  OPTIONS = {'medusa_num_layers': 1}  # ResBlocks per head
+
+  def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
+               options: Mapping[str, Any], *, rngs: nnx.Rngs):
+    self.layers = nnx.List([MedusaHead(trunk_cfg, options['medusa_num_layers'], rngs=rngs)
+                            for _ in range(num_heads)])
+
+  @classmethod
+  def validate_options(cls, options: Mapping[str, Any]) -> None:
+    if options['medusa_num_layers'] < 1:
+      raise ValueError(
+          f'model.medusa_num_layers must be >= 1, got {options["medusa_num_layers"]}.')
+
+  def __call__(self, trunk, hidden, normed, tokens, positions, mask) -> list[Array]:
+    return [head(normed) for head in self.layers]
+
+  def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer):
+    return normed, cache
+
+  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
+    # The cheap ResBlocks run on the one gathered position, not on the whole run.
+    normed = heads.gather_rows(features, last_index)  # [B, D]
+    return trunk.logits(jnp.stack([self.layers[k](normed) for k in range(depth)])), cache

@@ -1,0 +1,115 @@
+"""Sequential heads: DeepSeek-V3 MTP modules.
+
+Module k combines norm(h_{k-1}(t)) with norm(embed(x_{t+k})), projects 2D -> D and runs one
+transformer layer; h_0 is the trunk's last hidden state. Embedding and output layer are shared
+with the trunk. Each module attends, so it keeps a KV-cache layer. The modules stay out of the
+verification pass: module k needs token x_{t+k}, which is known only after verification, so
+drafting runs them over the accepted run (features: the trunk's hidden states there), feeding
+each module's top-1 draft to the next.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp.model import heads
+from mtp.model import kv_cache as kv_cache_lib
+from mtp.model import transformer
+
+Array = jax.Array
+
+
+class SequentialModule(nnx.Module):
+  """One DeepSeek-V3 MTP module: block(proj([norm(h_prev); norm(embed(next_token))]))."""
+
+  def __init__(self, cfg: transformer.TransformerConfig, *, rngs: nnx.Rngs):
+    self.remat = cfg.remat != 'none'
+    self.hidden_norm = transformer.rms_norm(cfg, rngs=rngs)
+    self.embed_norm = transformer.rms_norm(cfg, rngs=rngs)
+    self.proj = nnx.Linear(
+        2 * cfg.embed_dim, cfg.embed_dim, use_bias=False, dtype=transformer.dtype_of(cfg.dtype),
+        param_dtype=transformer.dtype_of(cfg.param_dtype),
+        kernel_init=transformer.partitioned(
+            nnx.initializers.normal((2 * cfg.embed_dim) ** -0.5), 'mlp', 'embed'), rngs=rngs)
+    self.block = transformer.Block(cfg, rngs=rngs)
+    self.out_norm = transformer.rms_norm(cfg, rngs=rngs)
+
+  def __call__(self, hidden_prev: Array, token_embeds: Array, positions: Array, mask: Array,
+               layer_cache=None, lengths=None):
+    """Returns (h_k [B, T, D] pre-norm, normalised output [B, T, D], updated layer cache)."""
+    combined = jnp.concatenate([self.hidden_norm(hidden_prev), self.embed_norm(token_embeds)], -1)
+    h, layer_cache = transformer.call_block(self.block, self.proj(combined), positions, mask,
+                                            layer_cache, lengths, remat=self.remat)
+    return h, self.out_norm(h), layer_cache
+
+
+def shifted_embeddings(embeds: Array, num_heads: int) -> list[Array]:
+  """embeds [B, T, D] of x_t -> K arrays [B, T, D]: entry k-1 is embed(x_{t+k}) at t, zeros
+  past the end."""
+  t = embeds.shape[1]
+  out = []
+  for k in range(1, num_heads + 1):
+    out.append(jnp.pad(embeds[:, k:], ((0, 0), (0, min(k, t)), (0, 0)))[:, :t])
+  return out
+
+
+class SequentialHeads(heads.HeadFamily):
+  """K chained MTP modules; module k sees the embedding of token t+k."""
+
+  def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
+               options: Mapping[str, Any], *, rngs: nnx.Rngs):
+    self.layers = nnx.List([SequentialModule(trunk_cfg, rngs=rngs) for _ in range(num_heads)])
+
+  @property
+  def num_cache_layers(self) -> int:
+    return len(self.layers)
+
+  def __call__(self, trunk, hidden, normed, tokens, positions, mask) -> list[Array]:
+    outputs, h = [], hidden
+    for module, embeds in zip(self.layers, shifted_embeddings(trunk.embed(tokens),
+                                                              len(self.layers))):
+      h, out, _ = module(h, embeds, positions, mask)
+      outputs.append(out)
+    return outputs
+
+  def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer):
+    return hidden, cache
+
+  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
+    t = features.shape[1]
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    h, logits = features, []
+    for k in range(depth):
+      h, normed, cache = self.module_step(trunk, k, h, tokens[:, k + 1:k + 1 + t], positions,
+                                          cache, lengths, first_layer)
+      head = trunk.logits(heads.gather_rows(normed, last_index))  # [B, V]
+      logits.append(head)
+      if k + 1 < depth:  # Module k + 2 reads this draft as token x_{t + k + 2} at last_index.
+        top1 = jnp.argmax(head, axis=-1).astype(tokens.dtype)
+        tokens = kv_cache_lib.write_rows(tokens, top1[:, None], last_index + k + 2)
+    return jnp.stack(logits), cache
+
+  def module_step(self, trunk, index: int, hidden_prev: Array, next_tokens: Array,
+                  positions: Array, cache: kv_cache_lib.KVCache, lengths: Array,
+                  first_layer: int):
+    """Runs module `index` (0-based) on a chain of T tokens with its cache layer.
+
+    Args:
+      hidden_prev: [B, T, D] h_{k-1} at the T positions.
+      next_tokens: [B, T] x_{t+k} at each position t (drafts where not yet known).
+      positions: [B, T] the positions, written at slots [lengths, lengths + T).
+
+    Returns:
+      (h_k [B, T, D], normalised output [B, T, D], updated cache).
+    """
+    mask = transformer.cached_mask(lengths, heads.causal_mask(next_tokens.shape[1]),
+                                   cache.capacity)
+    layer = first_layer + index
+    h, out, layer_cache = self.layers[index](
+        hidden_prev, trunk.embed(next_tokens), positions, mask, heads.layer_cache(cache, layer),
+        lengths)
+    return h, out, transformer.replace_layers(cache, layer, [layer_cache])
