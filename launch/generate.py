@@ -23,13 +23,15 @@ from absl import flags
 from absl import logging
 
 import launch
+from mtp.decode import decoders
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Trained workdir (checkpoints, config, tokenizer).')
 flags.DEFINE_string('prompt', None, 'One prompt.')
 flags.DEFINE_string('prompt_file', None, 'JSONL file, one {"prompt": "..."} per line.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Tokens to generate per prompt at most.')
-flags.DEFINE_enum('decoder', 'speculative', ['speculative', 'autoregressive'], 'Decoder.')
+flags.DEFINE_enum('decoder', decoders.DEFAULT, list(decoders.NAMES), 'Decoder: ' + '; '.join(
+    f'{d.name}: {d.summary}' for d in decoders.DECODERS.values()) + '.')
 flags.DEFINE_float('temperature', 0.0, '0 = greedy; else sampling temperature.')
 flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens (0 = all).')
 flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass in (0, 1] (1 = all).')

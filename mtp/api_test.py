@@ -98,11 +98,11 @@ def test_generate_sampling_is_seeded(workdir):
     (dict(decoder='beam'), 'decoder must be one of'),
     (dict(tree=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]), 'exceeds the number of MTP heads'),
     (dict(tree='bushy'), 'tree must be one of'),
-    (dict(decoder='autoregressive', tree='default'), 'speculative decoder only'),
+    (dict(decoder='autoregressive', tree='default'), 'apply to the drafting decoders'),
     (dict(batch_size=0), 'batch_size'),
     (dict(lookup=-1), 'lookup must be a non-negative integer'),
     (dict(lookup=3, temperature=0.7), 'verified greedily only'),
-    (dict(lookup=3, decoder='autoregressive'), 'speculative decoder only'),
+    (dict(lookup=3, decoder='autoregressive'), 'apply to the drafting decoders'),
 ])
 def test_generate_rejects_bad_input_before_compiling(workdir, kwargs, match):
   loaded = mtp.load(workdir)

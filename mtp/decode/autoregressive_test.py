@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mtp.decode import autoregressive
+from mtp.decode import driver
 from mtp.decode import state as state_lib
 from mtp.model import testing
 
@@ -15,7 +16,7 @@ MAX_NEW = 16  # The same shapes as speculative_test: one compiled reference.
 
 @pytest.fixture(scope='module')
 def model():
-  return testing.tiny_model(0, num_heads=0)
+  return testing.tiny_model(0, mtp_num_heads=0)
 
 
 @pytest.fixture(scope='module')
@@ -51,11 +52,11 @@ def test_greedy_equals_uncached_decoding_with_ragged_prompts(model, prompts, ref
 
 def test_eos_stops_each_row_without_recompiling(model, prompts, reference):
   autoregressive.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW)
-  compiled = autoregressive._run._cache_size(), autoregressive._start._cache_size()
+  compiled = driver._run._cache_size(), driver._start._cache_size()
   eos = int(reference[1, 4])
   out = autoregressive.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
                                 eos_id=eos, pad_id=-1)
-  assert (autoregressive._run._cache_size(), autoregressive._start._cache_size()) == compiled
+  assert (driver._run._cache_size(), driver._start._cache_size()) == compiled
   for b in range(3):
     hits = np.nonzero(reference[b] == eos)[0]
     n = hits[0] + 1 if hits.size else MAX_NEW
@@ -101,5 +102,3 @@ def test_pad_prompts():
   tokens, lengths = state_lib.pad_prompts([[5, 6, 7], [8]], pad_id=9, multiple=4)
   np.testing.assert_array_equal(tokens, [[5, 6, 7, 9], [8, 9, 9, 9]])
   np.testing.assert_array_equal(lengths, [3, 1])
-  with pytest.raises(ValueError, match='prompts is empty'):
-    state_lib.pad_prompts([])

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mtp.decode import driver
+from mtp.decode import request as request_lib
 from mtp.decode import speculative
 from mtp.decode import trees
 from mtp.model import testing
@@ -50,11 +52,9 @@ def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree):
 
   # The loop state really is spread over the mesh: rows over (data, fsdp), the cache's KV
   # heads over tensor, each device holding a quarter of the rows.
-  prepared, args, settings = speculative._prepare(
-      model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=tree, eos_id=None, pad_id=0,
-      temperature=0.0, top_k=0, top_p=1.0, rng=0, cache_capacity=None, draft_hook=None,
-      hook_data=None, mesh=mesh)
-  loop_state = speculative._start(prepared.structure, prepared.leaves, *args, settings)
+  request = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=MAX_NEW,
+                                     tree=tree, mesh=mesh)
+  _, loop_state = driver._begin(model, prompts, PROMPT_LENGTHS, request, 0, None, 0)
   keys = loop_state.cache.keys[0]  # [B, S, K, H]
   assert keys.sharding.spec[0] == mesh_lib.BATCH_AXES
   assert keys.sharding.spec[2] == 'tensor'

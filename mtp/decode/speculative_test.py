@@ -17,6 +17,8 @@ from flax import nnx
 from scipy import stats
 
 from mtp.decode import autoregressive
+from mtp.decode import driver
+from mtp.decode import request as request_lib
 from mtp.decode import sampling
 from mtp.decode import speculative
 from mtp.decode import state as state_lib
@@ -77,7 +79,7 @@ def prompts():
 
 @pytest.fixture(scope='module')
 def ar_model():
-  return testing.tiny_model(0, num_heads=0)
+  return testing.tiny_model(0, mtp_num_heads=0)
 
 
 @pytest.fixture(scope='module')
@@ -115,7 +117,7 @@ def test_greedy_output_equals_autoregressive(models, ar_model, prompts, referenc
                                              tree):
   """One compiled decoder per case; the hook picks the drafts per row at run time."""
   model = models[head_type]
-  resolved = speculative.resolve_tree(model, tree)
+  resolved = request_lib.resolve_tree(model.cfg.mtp_num_heads, tree)
   hook = ReferenceDrafts(resolved, 61)
   ref = np.asarray(reference.tokens)
   depth = resolved.max_depth
@@ -194,7 +196,7 @@ def test_lookup_drafts_are_exact_and_catch_repetitions(models, ar_model, prompts
 def test_no_recompilation_and_chunks(models, prompts, reference):
   model = models['medusa']
   speculative.generate(model, prompts[1:2, :3], max_new_tokens=MAX_NEW)
-  sizes = speculative._start._cache_size(), speculative._run._cache_size()
+  sizes = driver._start._cache_size(), driver._run._cache_size()
   ref = np.asarray(reference.tokens[1])
   eos = int(ref[7])
   stop = int(np.argmax(ref == eos)) + 1
@@ -211,7 +213,7 @@ def test_no_recompilation_and_chunks(models, prompts, reference):
   out = speculative.generate(prepared, prompts[1:2, :3], max_new_tokens=MAX_NEW, eos_id=eos)
   np.testing.assert_array_equal(out.tokens[0], expected)
   # New EOS id, seed, chunking and a prepared model: the same compiled code.
-  assert (speculative._start._cache_size(), speculative._run._cache_size()) == sizes
+  assert (driver._start._cache_size(), driver._run._cache_size()) == sizes
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,7 +228,7 @@ VOCAB, NEW, ROWS = 8, 3, 4000
 def small_model():
   # Zero-initialised Medusa heads draft the trunk's own argmax (shifted by one position):
   # often a likely token, so drafts are accepted often enough to matter.
-  model = mtp_model.MTPModel(testing.tiny_config(vocab_size=VOCAB, num_heads=2),
+  model = mtp_model.MTPModel(testing.tiny_config(vocab_size=VOCAB, mtp_num_heads=2),
                              rngs=nnx.Rngs(5))
   # Sharpen the random model (tied embeddings) so that a biased rule shows clearly.
   model.trunk.embedding.embedding[...] *= 4.0
@@ -287,12 +289,12 @@ def test_negative_control_a_wrong_residual_is_caught(sampled, monkeypatch):
     del q
     return p
 
-  speculative._run.clear_cache()
+  driver._run.clear_cache()
   monkeypatch.setattr(sampling, '_residual', resample_from_p)
   try:
     sp = speculative.generate(model, prompts, max_new_tokens=NEW, rng=2, **SAMPLING)
   finally:
-    speculative._run.clear_cache()
+    driver._run.clear_cache()
   assert _chisquare_p(np.asarray(sp.tokens), exact) < 1e-8
 
 

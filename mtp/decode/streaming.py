@@ -1,6 +1,6 @@
 """Streaming: a host generator that yields text as the decode loop accepts tokens.
 
-The compiled loop runs a chunk of steps per call (`generate_chunks` of either decoder); between
+The compiled loop runs a chunk of steps per call (`driver.generate_chunks`); between
 chunks the host reads each row's new tokens and turns them into text. Nothing happens on the
 host per token or per step, only per chunk.
 
@@ -19,12 +19,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from mtp.decode import autoregressive
-from mtp.decode import speculative
+from mtp.decode import decoders
+from mtp.decode import driver
 from mtp.decode import state as state_lib
 
 _REPLACEMENT = '\ufffd'
-DECODERS = ('autoregressive', 'speculative')
 
 
 class TextStream:
@@ -83,51 +82,41 @@ class StreamUpdate:
   result: state_lib.DecodeResult
 
 
-def chunks(model, prompts, prompt_lengths=None, *, decoder: str = 'speculative',
-           max_new_tokens: int, steps_per_chunk: int | None = None,
-           **decode_kwargs) -> Iterator[state_lib.DecodeResult]:
-  """`generate_chunks` of the named decoder (same arguments); checks the decoder's name."""
-  if decoder not in DECODERS:
-    raise ValueError(f'decoder must be one of {DECODERS}, got {decoder!r}')
-  if decoder == 'speculative':
-    module = speculative
-  else:
-    if decode_kwargs.pop('tree', None) is not None:
-      raise ValueError('tree applies to the speculative decoder only')
-    module = autoregressive
-  if steps_per_chunk is not None:
-    decode_kwargs['steps_per_chunk'] = steps_per_chunk
-  return module.generate_chunks(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
-                                **decode_kwargs)
-
-
-def stream(model, tokenizer, prompts, prompt_lengths=None, *, decoder: str = 'speculative',
-           max_new_tokens: int, steps_per_chunk: int | None = None,
-           **decode_kwargs) -> Iterator[StreamUpdate]:
+def stream(model, tokenizer, prompts, prompt_lengths=None, *, max_new_tokens: int,
+           decoder: str = decoders.DEFAULT, steps_per_chunk: int | None = None,
+           eos_id: int | None = None, **decode_kwargs) -> Iterator[StreamUpdate]:
   """Decodes right-padded prompts, yielding each row's new text after every chunk of steps.
 
   Args:
     model: an `MTPModel` or `state.PreparedModel`.
     tokenizer: a `Tokenizer` (anything with `decode(ids) -> str`).
     prompts: [B, P] int token ids, right-padded; prompt_lengths: [B] (None: all P).
-    decoder: 'speculative' or 'autoregressive'.
     max_new_tokens: tokens per row at most.
+    decoder: a name in `decoders.NAMES`.
     steps_per_chunk: loop steps per compiled call (None: the decoder's default). Smaller
       chunks stream more smoothly and cost one more host round trip each.
-    **decode_kwargs: the decoder's options (eos_id, pad_id, temperature, top_k, top_p, rng,
-      tree, cache_capacity, ...). Without eos_id no row stops early.
+    eos_id: rows stop after it (None: no row stops early).
+    **decode_kwargs: the rest of `driver.generate`'s options (pad_id, temperature, top_k,
+      top_p, rng, tree, lookup, cache_capacity, ...).
 
   Yields:
     StreamUpdate after the prefill and after each chunk; the last one has every row done and
     the complete result. Concatenating a row's `text` over all updates gives
     `tokenizer.decode(result.tokens[row, :result.num_generated[row]])`.
   """
-  eos_id = decode_kwargs.get('eos_id')
+  return text_updates(
+      driver.generate_chunks(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
+                             decoder=decoder, steps_per_chunk=steps_per_chunk, eos_id=eos_id,
+                             **decode_kwargs),
+      tokenizer, max_new_tokens=max_new_tokens, eos_id=eos_id)
+
+
+def text_updates(results: Iterator[state_lib.DecodeResult], tokenizer, *, max_new_tokens: int,
+                 eos_id: int | None) -> Iterator[StreamUpdate]:
+  """Turns the partial results of `driver.decode_chunks` into each row's new text."""
   streams = None
   previous = None
-  for result in chunks(model, prompts, prompt_lengths, decoder=decoder,
-                       max_new_tokens=max_new_tokens, steps_per_chunk=steps_per_chunk,
-                       **decode_kwargs):
+  for result in results:
     counts = np.asarray(result.num_generated)
     tokens = np.asarray(result.tokens)
     if streams is None:

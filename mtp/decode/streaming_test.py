@@ -89,6 +89,6 @@ def test_bad_decoder_and_tree_for_autoregressive(model):
   tokenizer = tokenizer_lib.byte_tokenizer()
   with pytest.raises(ValueError, match='decoder must be one of'):
     next(streaming.stream(model, tokenizer, [[5, 6]], decoder='beam', max_new_tokens=4))
-  with pytest.raises(ValueError, match='speculative decoder only'):
+  with pytest.raises(ValueError, match='apply to the drafting decoders'):
     next(streaming.stream(model, tokenizer, [[5, 6]], decoder='autoregressive', tree=2,
                           max_new_tokens=4))

@@ -1,0 +1,399 @@
+"""The decode loop behind every decoder: draft, verify, accept, on device.
+
+Each loop iteration, for every row of the batch at once:
+  1. verify: one cached `model.step` over the block [last token, draft_1..draft_N] laid out as
+     a candidate tree (`DecodeRequest.tree`; a chain is the tree of top-1 drafts, and a
+     root-only tree, nothing drafted, is autoregressive decoding): node n sits at position
+     length + depth(n) and attends to its ancestors only (`tree.attention_mask`);
+  2. accept: the longest drafted path the trunk agrees with, plus one token of the trunk's own
+     (the correction, or the bonus when every draft on the path passes): greedy argmax match or
+     exact speculative rejection sampling (`sampling.py`);
+  3. cut the accepted tokens exactly where one-token decoding would stop (EOS, max_new_tokens);
+  4. keep the KV entries of the accepted path: a chain's accepted prefix is already contiguous;
+     a tree's path is moved to the front of the block (`kv_cache.compact`); the rest of the
+     block becomes scratch again;
+  5. draft the next block from the same pass (`MTPModel.draft_logits`, whatever the head
+     family), at the last accepted node. A tree with a lookup chain (`trees.with_lookup`,
+     greedy) also copies the tokens that followed the row's last few tokens earlier in its own
+     text (`lookup.py`).
+
+All of it, prefill aside, is one jitted `lax.while_loop` over a `LoopState`; rows finish on
+their own and stop changing; nothing goes back to the host per step. The model is split with
+`nnx.split` on the host and merged inside the jitted functions (as in the google/flax gemma
+sampler); pass a `state.PreparedModel` to split once for many calls.
+
+Entry points: `generate` and `generate_chunks` check their input (`request.py`) and decode;
+`decode` and `decode_chunks` take an already checked request (callers that check a whole
+batch of prompts once, such as `mtp.generate`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from mtp.decode import decoders
+from mtp.decode import lookup as lookup_lib
+from mtp.decode import request as request_lib
+from mtp.decode import sampling as sampling_lib
+from mtp.decode import state as state_lib
+from mtp.decode import trees as trees_lib
+from mtp.model import kv_cache as kv_cache_lib
+
+Array = jax.Array
+DecodeResult = state_lib.DecodeResult
+DecodeRequest = request_lib.DecodeRequest
+
+
+@flax.struct.dataclass
+class LoopState:
+  """The decode loop's carry (D = tree depth, N = tree nodes).
+
+  Attributes:
+    tokens: [B, max_new_tokens + D + 1] output buffer (spare columns: writes never clamp).
+    num_generated: [B] tokens in the buffer.
+    done: [B] rows that stopped; they no longer change.
+    last_token: [B] the newest token (the next block's root), not yet in the cache.
+    drafts: [B, N - 1] the next block's drafted nodes, in tree node order (root excluded).
+    lengths: [B] committed cache slots (= position of last_token).
+    num_steps: [B] verification passes that worked on the row.
+    histogram: [B, D + 2] steps per number of tokens emitted.
+    cache: the KV cache.
+    rng: PRNG key.
+    eos_id: [] int32 end-of-sequence id, -1 for none (traced: changing it does not recompile).
+    pad_id: [] int32 filler after a row's end.
+    context: [B, C] every row's tokens by position, prompt included, for lookup drafts
+      (position lengths holds last_token; later columns are stale); [B, 0] without lookup.
+  """
+  tokens: Array
+  num_generated: Array
+  done: Array
+  last_token: Array
+  drafts: Array
+  lengths: Array
+  num_steps: Array
+  histogram: Array
+  cache: kv_cache_lib.KVCache
+  rng: Array
+  eos_id: Array
+  pad_id: Array
+  context: Array
+
+
+# ------------------------------------------------------------------------------------------
+# Drafting.
+# ------------------------------------------------------------------------------------------
+
+
+def _drafts(tree: trees_lib.Tree, logits: Array | None, context: Array,
+            lengths: Array) -> Array:
+  """Head logits [D, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
+
+  N - 1 drafts in tree order, root excluded; `context` and `lengths` (the position of the newest
+  token) feed the lookup chain, if the tree has one. A root-only tree drafts nothing.
+  """
+  if tree.num_nodes == 1:
+    return jnp.zeros((context.shape[0], 0), jnp.int32)
+  if tree.is_chain:
+    return jnp.argmax(logits, axis=-1).T.astype(jnp.int32)
+  top = jax.lax.top_k(logits, max(tree.topk_per_depth))[1]  # [D, B, R]
+  copies = None
+  if tree.lookup_depth:
+    copies = lookup_lib.propose(context, lengths, tree.lookup_depth)
+  nodes = trees_lib.draft_tokens_for_tree(tree, jnp.transpose(top, (1, 0, 2)),
+                                          lookup_tokens=copies)
+  return nodes[:, 1:].astype(jnp.int32)
+
+
+def _compact(cache: kv_cache_lib.KVCache, lengths: Array, path: Array,
+             num_layers: int) -> kv_cache_lib.KVCache:
+  """`kv_cache.compact` on the first num_layers layers (the ones the verification wrote)."""
+  moved = kv_cache_lib.compact(
+      kv_cache_lib.KVCache(keys=cache.keys[:num_layers], values=cache.values[:num_layers]),
+      lengths, path)
+  return kv_cache_lib.KVCache(keys=moved.keys + cache.keys[num_layers:],
+                              values=moved.values + cache.values[num_layers:])
+
+
+# ------------------------------------------------------------------------------------------
+# The compiled pieces.
+# ------------------------------------------------------------------------------------------
+
+
+def _sample(rng: Array, logits: Array, request: DecodeRequest) -> Array:
+  return sampling_lib.sample_tokens(rng, logits, request.temperature, request.top_k,
+                                    request.top_p)
+
+
+def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_index: Array,
+                 cache: kv_cache_lib.KVCache, lengths: Array):
+  """`model.draft_logits` for the tree's heads; (None, cache) when no head drafts."""
+  if not request.tree.head_depth:
+    return None, cache
+  depth = request.tree.head_depth
+  b = tokens.shape[0]
+  # Columns after the run: the heads' own drafts are written there in turn (sequential).
+  tokens = jnp.concatenate([tokens, jnp.zeros((b, depth), tokens.dtype)], axis=1)
+  return model.draft_logits(features, tokens, last_index, cache, lengths, depth)
+
+
+@functools.partial(jax.jit, static_argnames=('structure', 'request'))
+def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
+           pad_id: Array, request: DecodeRequest) -> LoopState:
+  """Prefills [B, P] right-padded prompts: each row's first token and first drafts."""
+  model = state_lib.merge(structure, leaves)
+  tree = request.tree
+  b, p = prompts.shape
+  cache = state_lib.shard_cache(model.init_cache(b, request.capacity), request.mesh)
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  # Padding slots get written too, but they lie at or past each row's length: scratch.
+  out, cache = model.step(prompts, positions, cache, jnp.zeros((b,), jnp.int32),
+                          with_heads=tree.head_depth > 0)
+  last_index = lengths - 1
+  rng, key = jax.random.split(rng)
+  first = _sample(key, model.logits(state_lib.gather_rows(out.normed, last_index)), request)
+  known = kv_cache_lib.write_rows(jnp.pad(prompts, ((0, 0), (0, 1))),
+                                  first[:, None].astype(prompts.dtype), lengths)
+  head_logits, cache = _head_logits(model, request, out.features, known, last_index, cache,
+                                    jnp.zeros((b,), jnp.int32))
+  buffer = jnp.full((b, request.max_new_tokens + request.depth + 1), pad_id, jnp.int32)
+  context = jnp.zeros((b, 0), jnp.int32)
+  if tree.lookup_depth:  # Spare columns: writes of a block near the end never clamp.
+    context = jnp.zeros((b, request.capacity + request.depth + 2), jnp.int32)
+    context = context.at[:, :p].set(prompts.astype(jnp.int32))
+    context = kv_cache_lib.write_rows(context, first[:, None], lengths)
+  buffer, num_generated, done, _ = state_lib.append_tokens(
+      buffer, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
+      jnp.ones((b,), jnp.int32), eos_id=eos_id, pad_id=pad_id,
+      max_new_tokens=request.max_new_tokens)
+  return LoopState(tokens=buffer, num_generated=num_generated, done=done, last_token=first,
+                   drafts=_drafts(tree, head_logits, context, lengths), lengths=lengths,
+                   num_steps=jnp.zeros((b,), jnp.int32),
+                   histogram=jnp.zeros((b, request.depth + 2), jnp.int32), cache=cache,
+                   rng=rng, eos_id=eos_id, pad_id=pad_id, context=context)
+
+
+def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Array):
+  """One verification pass and acceptance.
+
+  Returns:
+    nodes: [B, N] the block's tokens; out: the step's StepOutput over the block; cache: with
+    the block written; path: [B, D + 1] accepted node indices root first, padded with the last
+    accepted node; num_accepted: [B] accepted drafts; next_token: [B] the trunk's own token.
+  """
+  tree = request.tree
+  nodes = jnp.concatenate([s.last_token[:, None], drafts], axis=1)  # [B, N]
+  positions = s.lengths[:, None] + jnp.asarray(tree.depth)[None, :]
+  mask = None if tree.is_chain else jnp.asarray(tree.attention_mask)
+  out, cache = model.step(nodes, positions, s.cache, s.lengths, block_mask=mask,
+                          with_heads=tree.head_depth > 0)
+  if not request.drafts:  # Nothing to accept: the trunk's own token, as one-token decoding.
+    next_token = _sample(key, model.logits(out.normed[:, 0]), request)
+    zeros = jnp.zeros_like(s.lengths)
+    return nodes, out, cache, zeros[:, None], zeros, next_token
+  logits = model.logits(out.normed)  # [B, N, V]: every node may be the one we continue from.
+  if not request.greedy:
+    probs = sampling_lib.target_probs(logits, request.temperature, request.top_k,
+                                      request.top_p)
+  if tree.is_chain:
+    if request.greedy:
+      num_accepted, next_token = sampling_lib.greedy_accept_chain(drafts, logits)
+    else:
+      num_accepted, next_token = sampling_lib.rejection_accept_chain(key, drafts, None, probs)
+    path = jnp.broadcast_to(jnp.arange(nodes.shape[1], dtype=jnp.int32), nodes.shape)
+  else:
+    if request.greedy:
+      path, num_accepted, next_token = sampling_lib.greedy_accept_tree(tree, nodes, logits)
+    else:
+      path, num_accepted, next_token = sampling_lib.rejection_accept_tree(key, tree, nodes,
+                                                                          probs)
+    last_node = state_lib.gather_rows(path, num_accepted)
+    path = jnp.where(path >= 0, path, last_node[:, None])
+  return nodes, out, cache, path, num_accepted, next_token
+
+
+@functools.partial(jax.jit, static_argnames=('structure', 'request'), donate_argnames=('state',))
+def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
+         request: DecodeRequest) -> LoopState:
+  """Runs draft-verify-accept steps until every row is done or `max_steps` steps were taken."""
+  model = state_lib.merge(structure, leaves)
+  tree, depth = request.tree, request.depth
+  num_verified_layers = model.num_verified_cache_layers
+  columns = jnp.arange(depth + 1)[None, :]
+
+  def cond(carry):
+    i, s = carry
+    return (i < max_steps) & ~jnp.all(s.done)
+
+  def body(carry):
+    i, s = carry
+    # Greedy decoding draws nothing: skip the split (a small loop of its own on CPU).
+    rng, key = (s.rng, s.rng) if request.greedy else tuple(jax.random.split(s.rng))
+    drafts = s.drafts
+    if request.draft_hook is not None:
+      drafts = request.draft_hook(drafts, s.num_generated, hook_data).astype(jnp.int32)
+    nodes, out, cache, path, num_accepted, next_token = _verify(model, s, drafts, request, key)
+    path_tokens = jnp.take_along_axis(nodes, path, axis=1)  # [B, D + 1], root first.
+    # Emitted in order: the accepted drafts, then the trunk's own token.
+    shifted = jnp.concatenate([path_tokens[:, 1:], next_token[:, None]], axis=1)
+    emitted = jnp.where(columns < num_accepted[:, None], shifted, next_token[:, None])
+    buffer, num_generated, done, kept = state_lib.append_tokens(
+        s.tokens, s.num_generated, s.done, emitted, num_accepted + 1, eos_id=s.eos_id,
+        pad_id=s.pad_id, max_new_tokens=request.max_new_tokens)
+
+    if not tree.is_chain:  # A chain's accepted prefix already sits at lengths .. lengths + n.
+      cache = _compact(cache, s.lengths, path, num_verified_layers)
+    # The accepted path is contiguous in the cache now (slots lengths ..): draft from it.
+    features = jax.tree.map(lambda f: jnp.take_along_axis(
+        f, path.reshape(path.shape + (1,) * (f.ndim - 2)), axis=1), out.features)
+    known = kv_cache_lib.write_rows(jnp.pad(path_tokens, ((0, 0), (0, 1))),
+                                    next_token[:, None], num_accepted + 1)
+    head_logits, cache = _head_logits(model, request, features, known, num_accepted, cache,
+                                      s.lengths)
+    lengths = s.lengths + num_accepted + 1
+    context = s.context
+    if tree.lookup_depth:  # Emitted tokens sit at positions s.lengths + 1 .. lengths.
+      context = kv_cache_lib.write_rows(context, emitted, s.lengths + 1)
+    new_drafts = _drafts(tree, head_logits, context, lengths)
+
+    active = ~s.done
+    histogram = s.histogram + (
+        jax.nn.one_hot(kept, depth + 2, dtype=jnp.int32) * active[:, None])
+    s = s.replace(
+        tokens=buffer, num_generated=num_generated, done=done,
+        last_token=jnp.where(active, next_token, s.last_token),
+        drafts=jnp.where(active[:, None], new_drafts, s.drafts),
+        lengths=jnp.where(active, lengths, s.lengths),
+        num_steps=s.num_steps + active, histogram=histogram, cache=cache, rng=rng,
+        context=jnp.where(active[:, None], context, s.context))
+    return i + 1, s
+
+  _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+  return state
+
+
+def result(state: LoopState, max_new_tokens: int) -> DecodeResult:
+  """The loop state as a `DecodeResult`."""
+  return DecodeResult(tokens=state.tokens[:, :max_new_tokens],
+                      num_generated=state.num_generated, num_steps=state.num_steps,
+                      accepted_histogram=state.histogram)
+
+
+
+# ------------------------------------------------------------------------------------------
+# Entry points.
+# ------------------------------------------------------------------------------------------
+
+
+def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *, rng=None,
+           eos_id: int | None = None, pad_id: int = 0, hook_data=None) -> DecodeResult:
+  """Decodes checked prompts (`request.check_prompts`) with a checked request.
+
+  Args:
+    model: an `MTPModel`, or a `state.PreparedModel` of one (faster when reused).
+    prompts: [B, P] int32 token ids, right-padded; prompt_lengths: [B] int32.
+    request: from `request.make_request`.
+    rng: int seed or PRNG key (sampling only).
+    eos_id: a row stops after generating this token (kept in the output); None: never.
+    pad_id: filler after a row's end in `tokens`.
+    hook_data: pytree of arrays passed to `request.draft_hook` (traced: no recompilation).
+  """
+  prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id)
+  state = _run(prepared.structure, prepared.leaves, state, jnp.int32(request.max_new_tokens),
+               hook_data, request)
+  return result(state, request.max_new_tokens)
+
+
+def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *,
+                  steps_per_chunk: int, rng=None, eos_id: int | None = None, pad_id: int = 0,
+                  hook_data=None) -> Iterator[DecodeResult]:
+  """Like `decode`, but yields the partial result (numpy) after the prefill and each chunk.
+
+  The chunk size is not part of the compiled code; streaming costs one host round trip per
+  chunk of `steps_per_chunk` loop steps, not per token.
+  """
+  prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id)
+  # Host copies: the next `_run` donates (invalidates) the state's device buffers.
+  yield jax.device_get(result(state, request.max_new_tokens))
+  while not bool(jnp.all(state.done)):
+    state = _run(prepared.structure, prepared.leaves, state, jnp.int32(steps_per_chunk),
+                 hook_data, request)
+    yield jax.device_get(result(state, request.max_new_tokens))
+
+
+def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, pad_id):
+  prepared = state_lib.prepare(model)
+  prompts, prompt_lengths = state_lib.shard_rows(
+      (jnp.asarray(prompts), jnp.asarray(prompt_lengths)), request.mesh)
+  state = _start(prepared.structure, prepared.leaves, prompts, prompt_lengths,
+                 state_lib.as_key(rng), jnp.int32(-1 if eos_id is None else eos_id),
+                 jnp.int32(pad_id), request)
+  return prepared, state
+
+
+def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
+             decoder: str = decoders.DEFAULT, eos_id: int | None = None, pad_id: int = 0,
+             rng=None, hook_data=None, **options) -> DecodeResult:
+  """Checks the request, then decodes: the one entry point of every decoder.
+
+  Greedy (temperature 0) output of every decoder equals greedy autoregressive output token
+  for token (up to float ties); sampled output has the same distribution (rejection sampling;
+  temperature, top-k and top-p shape the target before verification).
+
+  Args:
+    model: an `MTPModel`, or a `state.PreparedModel` of one (faster when reused).
+    prompts: [B, P] int token ids, right-padded (see `state.pad_prompts`).
+    prompt_lengths: [B] valid tokens per row (None: all P).
+    max_new_tokens: tokens to generate per row at most.
+    decoder: a name in `decoders.NAMES`.
+    eos_id, pad_id, rng, hook_data: as in `decode`.
+    **options: the rest of `request.make_request`'s options: tree, lookup, temperature, top_k,
+      top_p, cache_capacity, draft_hook, mesh.
+
+  Returns:
+    DecodeResult; accepted_histogram is [B, tree depth + 2].
+
+  Raises:
+    ValueError naming the bad input, before anything is compiled.
+  """
+  prompts, prompt_lengths, request = _checked(model, prompts, prompt_lengths, max_new_tokens,
+                                              decoder, eos_id, hook_data, options)
+  return decode(model, prompts, prompt_lengths, request, rng=rng, eos_id=eos_id, pad_id=pad_id,
+                hook_data=hook_data)
+
+
+def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
+                    decoder: str = decoders.DEFAULT, steps_per_chunk: int | None = None,
+                    eos_id: int | None = None, pad_id: int = 0, rng=None, hook_data=None,
+                    **options) -> Iterator[DecodeResult]:
+  """`generate`, yielding the partial result after the prefill and each chunk of steps.
+
+  steps_per_chunk: loop steps per host round trip (None: the decoder's default).
+  """
+  if steps_per_chunk is None:
+    steps_per_chunk = decoders.get(decoder).steps_per_chunk
+  if isinstance(steps_per_chunk, bool) or int(steps_per_chunk) != steps_per_chunk or (
+      steps_per_chunk < 1):
+    raise ValueError(f'steps_per_chunk must be a positive integer, got {steps_per_chunk!r}')
+  prompts, prompt_lengths, request = _checked(model, prompts, prompt_lengths, max_new_tokens,
+                                              decoder, eos_id, hook_data, options)
+  return decode_chunks(model, prompts, prompt_lengths, request,
+                       steps_per_chunk=int(steps_per_chunk), rng=rng, eos_id=eos_id,
+                       pad_id=pad_id, hook_data=hook_data)
+
+
+def _checked(model, prompts, prompt_lengths, max_new_tokens, decoder, eos_id, hook_data,
+             options):
+  if options.get('draft_hook') is None and hook_data is not None:
+    raise ValueError('hook_data is given without a draft_hook')
+  trunk = model.cfg.trunk
+  prompts, prompt_lengths = request_lib.check_prompts(
+      prompts, prompt_lengths, max_new_tokens=max_new_tokens, vocab_size=trunk.vocab_size,
+      max_seq_len=trunk.max_seq_len, eos_id=eos_id)
+  request = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=max_new_tokens,
+                                     decoder=decoder, **options)
+  return prompts, prompt_lengths, request
