@@ -61,7 +61,7 @@ def measure_workdir(workdir: str) -> dict:
 
   loaded = mtp.load(workdir)
   model, tokenizer = loaded.model, loaded.tokenizer
-  head_type, num_heads = model.cfg.mtp_head_type, model.num_heads
+  head_type, num_heads = model.cfg.mtp_head_type, model.mtp_num_heads
   print(f'\n== {workdir}: {num_heads} {head_type} heads, step {loaded.step}', flush=True)
   if FLAGS.prompt_source == 'heldout':
     files = corpora.heldout_files()

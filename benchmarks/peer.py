@@ -273,14 +273,14 @@ def mtp_tree(loaded, batch_size: int):
   from mtp.decode import trees
   model = loaded.model
   if FLAGS.tree == 'default':
-    return trees.medusa_default_tree(model.num_heads)
+    return trees.medusa_default_tree(model.mtp_num_heads)
   return cost_model.choose_tree(model, mtp.api.head_accuracies(loaded),
                                 cost=cost_model.step_cost(model, batch_size=batch_size))
 
 
 def decoders_by_batch(hf_model, hf_pad_id: int, loaded, batch_sizes) -> dict:
   """{batch size: {decoder name: Entry}}."""
-  heads = loaded.model.num_heads
+  heads = loaded.model.mtp_num_heads
   no_eos = dataclasses.replace(loaded, tokenizer=_WithoutEos(loaded.tokenizer))
   lookup_tokens = FLAGS.prompt_lookup_num_tokens
   table = {}
@@ -530,7 +530,7 @@ def main(argv):
   loaded = load_mtp()
   gguf = pathlib.Path(FLAGS.gguf) if FLAGS.gguf else smollm2.fetch_gguf()
   hf_model, hf_tokenizer = load_hf(gguf)
-  print(f'mtp: {loaded.workdir} (step {loaded.step}, {loaded.model.num_heads} heads); '
+  print(f'mtp: {loaded.workdir} (step {loaded.step}, {loaded.model.mtp_num_heads} heads); '
         f'transformers {transformers.__version__}: {gguf}, torch threads {threads} '
         f'({time.perf_counter() - start:.0f}s to load)', flush=True)
 
@@ -538,7 +538,7 @@ def main(argv):
   decoders = decoders_by_batch(hf_model, hf_tokenizer.pad_token_id, loaded, batch_sizes)
   rows = summarize(measure(prompts, hf_ids, decoders), decoders)
   result = dict(
-      workdir=str(loaded.workdir), step=loaded.step, num_heads=loaded.model.num_heads,
+      workdir=str(loaded.workdir), step=loaded.step, num_heads=loaded.model.mtp_num_heads,
       head_type=loaded.model.cfg.mtp_head_type,
       optim_mode=loaded.config.get('optim', {}).get('mode'), gguf=str(gguf),
       num_prompts=FLAGS.num_prompts, max_new_tokens=FLAGS.max_new_tokens,

@@ -2,7 +2,10 @@
 
 Names follow the field where one exists: `mtp_loss_scaling_factor` and `mtp_num_heads` as in
 MaxText, the per-head decay `mtp_head_weight_decay` (w_k = decay**k for k = 1..K) as in Medusa
-(0.8), `medusa_num_layers` for the number of ResBlocks per Medusa head.
+(0.8), `medusa_num_layers` for the number of ResBlocks per Medusa head. Attention heads are
+`model.num_attention_heads` (query) and `model.num_kv_heads` (key/value); "heads" alone means
+the multi-token prediction heads. Configs saved with the old key `model.num_heads` (attention
+heads) still load (`mtp.model.mtp_model.upgrade_legacy_config`).
 """
 
 import ml_collections
@@ -51,8 +54,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.vocab_size = 4096
   c.model.embed_dim = 256
   c.model.num_layers = 4
-  c.model.num_heads = 8
-  c.model.num_kv_heads = 4
+  c.model.num_attention_heads = 8  # query heads of each attention layer
+  c.model.num_kv_heads = 4         # key/value heads (grouped-query attention)
   c.model.head_dim = 32
   c.model.mlp_dim = 768
   c.model.max_seq_len = 2048
@@ -62,8 +65,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dtype = 'float32'        # activations; 'bfloat16' on accelerators
   c.model.param_dtype = 'float32'
   c.model.mtp_num_heads = 4        # heads predicting t+2 .. t+1+K
-  c.model.mtp_head_type = 'medusa'  # 'medusa' | 'parallel' | 'sequential'
-  c.model.medusa_num_layers = 1    # ResBlocks per Medusa head
+  # The head family, a name registered in mtp.model.heads.FAMILIES: 'medusa' | 'parallel' |
+  # 'sequential'. A family's own options are model keys too:
+  c.model.mtp_head_type = 'medusa'
+  c.model.medusa_num_layers = 1    # medusa: ResBlocks per head
   # Recompute activations in the backward pass: 'none' | 'heads' | 'full'. XLA's CPU scheduler
   # hoists the recomputation, so this saves no memory there (measured); meant for accelerators.
   c.model.remat = 'none'

@@ -29,7 +29,7 @@ def get_config():
   c.model.vocab_size = 49152
   c.model.embed_dim = 576
   c.model.num_layers = 30
-  c.model.num_heads = 9
+  c.model.num_attention_heads = 9
   c.model.num_kv_heads = 3
   c.model.head_dim = 64
   c.model.mlp_dim = 1536

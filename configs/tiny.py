@@ -15,7 +15,7 @@ def get_config():
   c.model.vocab_size = 264  # 259 byte-level ids padded to a multiple of 8
   c.model.embed_dim = 64
   c.model.num_layers = 2
-  c.model.num_heads = 4
+  c.model.num_attention_heads = 4
   c.model.num_kv_heads = 2
   c.model.head_dim = 16
   c.model.mlp_dim = 128

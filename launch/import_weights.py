@@ -43,7 +43,7 @@ def main(argv):
     raise SystemExit(f'launch.import_weights: {e}') from None
   model = checkpointing.load_config(workdir).model
   print(f'Imported {source} into {workdir} in {time.perf_counter() - start:.1f}s: '
-        f'{model.num_layers} layers, width {model.embed_dim}, {model.num_heads} query / '
+        f'{model.num_layers} layers, width {model.embed_dim}, {model.num_attention_heads} query / '
         f'{model.num_kv_heads} key-value heads, vocabulary {model.vocab_size}.\n'
         f'Try: python -m launch.generate --workdir={FLAGS.workdir} --prompt="def fibonacci(n):" '
         '--decoder=autoregressive', file=sys.stderr)

@@ -52,7 +52,7 @@ def head_accuracies(model, tokens, starts, ends, top_k: int = 4) -> np.ndarray:
     [D, R] float64: entry [d, r] = P(rank-r candidate of head d + 1 is right | heads 1..d had
     their top-1 right). Rows with nothing to count are 0.
   """
-  if model.num_heads == 0:
+  if model.mtp_num_heads == 0:
     raise ValueError('the model has no MTP heads to measure')
   tokens = np.asarray(tokens, np.int32)
   starts, ends = np.asarray(starts).reshape(-1), np.asarray(ends).reshape(-1)
@@ -61,8 +61,8 @@ def head_accuracies(model, tokens, starts, ends, top_k: int = 4) -> np.ndarray:
   _, b, t, _ = top.shape
   position = np.arange(t)[None, :]
   chain_right = np.ones((b, t), bool)
-  acc = np.zeros((model.num_heads, top_k))
-  for d in range(1, model.num_heads + 1):
+  acc = np.zeros((model.mtp_num_heads, top_k))
+  for d in range(1, model.mtp_num_heads + 1):
     target_index = position + 1 + d
     valid = (position >= starts[:, None] - 1) & (target_index < ends[:, None])
     target = np.take_along_axis(tokens, np.minimum(target_index, t - 1), axis=1)

@@ -13,11 +13,11 @@ def _brute_force(model, tokens, starts, ends, top_k):
   b, t = tokens.shape
   out = model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)))
   ranked = np.argsort(-np.asarray(model.logits(out)), axis=-1, kind='stable')[..., :top_k]
-  hits = np.zeros((model.num_heads, top_k))
-  counts = np.zeros(model.num_heads)
+  hits = np.zeros((model.mtp_num_heads, top_k))
+  counts = np.zeros(model.mtp_num_heads)
   for row in range(b):
     for p in range(starts[row] - 1, ends[row]):
-      for d in range(1, model.num_heads + 1):
+      for d in range(1, model.mtp_num_heads + 1):
         if p + 1 + d >= ends[row]:
           break
         counts[d - 1] += 1

@@ -47,9 +47,10 @@ def device_kind() -> str:
 def model_key(model) -> str:
   """A string naming everything about the model's shape that changes a step's cost."""
   c = model.cfg.trunk
-  return (f'V{c.vocab_size}-D{c.embed_dim}-L{c.num_layers}-H{c.num_heads}-KV{c.num_kv_heads}'
+  return (f'V{c.vocab_size}-D{c.embed_dim}-L{c.num_layers}-H{c.num_attention_heads}'
+          f'-KV{c.num_kv_heads}'
           f'-hd{c.head_dim}-mlp{c.mlp_dim}-{c.dtype}-{model.cfg.mtp_head_type}'
-          f'{model.num_heads}')
+          f'{model.mtp_num_heads}')
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'num_tokens', 'batch_size',
@@ -183,7 +184,7 @@ def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = No
   Returns:
     The tree with the best expected tokens per unit of verification cost.
   """
-  num_heads = model.num_heads
+  num_heads = model.mtp_num_heads
   if num_heads == 0:
     raise ValueError('a model without MTP heads has no candidate tree')
   if accuracies is None:

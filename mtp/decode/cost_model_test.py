@@ -60,7 +60,7 @@ def test_tree_size_follows_the_cost_curve():
 
 def test_choose_tree_errors():
   with pytest.raises(ValueError, match='without MTP heads'):
-    cost_model.choose_tree(testing.tiny_model(0, num_heads=0), ACCURACIES, cost={1: 1.0})
+    cost_model.choose_tree(testing.tiny_model(0, mtp_num_heads=0), ACCURACIES, cost={1: 1.0})
   with pytest.raises(ValueError, match='no tree size'):
     cost_model.choose_tree(testing.tiny_model(0), ACCURACIES, cost={1: 1.0})
   with pytest.raises(ValueError, match='needs T = 1'):

@@ -80,7 +80,7 @@ def read_shape(reader, path: pathlib.Path) -> llama.LlamaShape:
     raise PretrainedError(f'{path}: missing tensor token_embd.weight.')
   return llama.LlamaShape(
       vocab_size=int(embed.shape[-1]), embed_dim=embed_dim,
-      num_layers=int(get('block_count')), num_heads=num_heads,
+      num_layers=int(get('block_count')), num_attention_heads=num_heads,
       num_kv_heads=int(get('attention.head_count_kv', num_heads)), head_dim=head_dim,
       mlp_dim=int(get('feed_forward_length')), max_seq_len=int(get('context_length')),
       rope_theta=float(get('rope.freq_base', 10_000.0)),
@@ -148,7 +148,7 @@ def read(path: str | pathlib.Path) -> llama.Checkpoint:
     name, ours = names
     values = dequantize(tensor, path)
     if ours in ('q_proj', 'k_proj'):
-      heads = shape.num_heads if ours == 'q_proj' else shape.num_kv_heads
+      heads = shape.num_attention_heads if ours == 'q_proj' else shape.num_kv_heads
       if values.ndim != 2 or values.shape[0] != heads * shape.head_dim:
         raise PretrainedError(f'{path}: tensor {tensor.name} has shape {list(values.shape)}, '
                               f'expected [{heads * shape.head_dim}, {shape.embed_dim}] from the '

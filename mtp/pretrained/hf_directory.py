@@ -67,7 +67,7 @@ def read_shape(config: dict[str, Any], path: pathlib.Path) -> llama.LlamaShape:
     embed_dim = int(config['hidden_size'])
     return llama.LlamaShape(
         vocab_size=int(config['vocab_size']), embed_dim=embed_dim,
-        num_layers=int(config['num_hidden_layers']), num_heads=num_heads,
+        num_layers=int(config['num_hidden_layers']), num_attention_heads=num_heads,
         num_kv_heads=int(config.get('num_key_value_heads') or num_heads),
         head_dim=int(config.get('head_dim') or embed_dim // max(num_heads, 1)),
         mlp_dim=int(config['intermediate_size']),

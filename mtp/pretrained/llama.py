@@ -28,7 +28,7 @@ class LlamaShape:
   vocab_size: int  # rows of the embedding
   embed_dim: int
   num_layers: int
-  num_heads: int
+  num_attention_heads: int
   num_kv_heads: int
   head_dim: int
   mlp_dim: int
@@ -42,9 +42,9 @@ class LlamaShape:
       value = getattr(self, field.name)
       if field.type in ('int', 'float') and not value > 0:
         raise PretrainedError(f'{source}: {field.name} must be positive, got {value}.')
-    if self.num_heads % self.num_kv_heads:
-      raise PretrainedError(f'{source}: {self.num_heads} attention heads are not a multiple of '
-                            f'{self.num_kv_heads} key/value heads.')
+    if self.num_attention_heads % self.num_kv_heads:
+      raise PretrainedError(f'{source}: {self.num_attention_heads} attention heads are not a '
+                            f'multiple of {self.num_kv_heads} key/value heads.')
     if self.head_dim % 2:
       raise PretrainedError(f'{source}: head_dim {self.head_dim} is odd; rotary embeddings need '
                             'an even head_dim.')
@@ -98,7 +98,8 @@ _IGNORED = re.compile(r'model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq')
 
 def expected_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
   """Hugging Face name -> [out, in] (or [features]) for every tensor of a trunk of `shape`."""
-  d, q, kv = shape.embed_dim, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+  d, kv = shape.embed_dim, shape.num_kv_heads * shape.head_dim
+  q = shape.num_attention_heads * shape.head_dim
   per_layer = {'attn_norm': (d,), 'q_proj': (q, d), 'k_proj': (kv, d), 'v_proj': (kv, d),
                'o_proj': (d, q), 'mlp_norm': (d,), 'gate': (shape.mlp_dim, d),
                'up': (shape.mlp_dim, d), 'down': (d, shape.mlp_dim)}

@@ -19,8 +19,8 @@ from mtp.pretrained import gguf_file
 from mtp.pretrained import gguf_tokenizer
 from mtp.pretrained import llama
 
-SHAPE = llama.LlamaShape(vocab_size=288, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim=16, mlp_dim=96, max_seq_len=128, rope_theta=10_000.0,
+SHAPE = llama.LlamaShape(vocab_size=288, embed_dim=64, num_layers=2, num_attention_heads=4,
+                         num_kv_heads=2, head_dim=16, mlp_dim=96, max_seq_len=128, rope_theta=10_000.0,
                          norm_eps=1e-5, tie_embeddings=True)
 CONTROL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
 SPECIAL_IDS = tokenizer_lib.SpecialIds(pad_id=2, eos_id=2, bos_id=1)  # As SmolLM2.
@@ -56,7 +56,7 @@ def random_tensors(shape: llama.LlamaShape = SHAPE, seed: int = 0) -> dict[str, 
 
 def _heads(name: str, shape: llama.LlamaShape) -> int | None:
   if name.endswith('self_attn.q_proj.weight'):
-    return shape.num_heads
+    return shape.num_attention_heads
   if name.endswith('self_attn.k_proj.weight'):
     return shape.num_kv_heads
   return None
@@ -89,7 +89,7 @@ def write_gguf(path: pathlib.Path, tensors: dict[str, np.ndarray],
   writer.add_context_length(shape.max_seq_len)
   writer.add_embedding_length(shape.embed_dim)
   writer.add_feed_forward_length(shape.mlp_dim)
-  writer.add_head_count(shape.num_heads)
+  writer.add_head_count(shape.num_attention_heads)
   writer.add_head_count_kv(shape.num_kv_heads)
   writer.add_rope_freq_base(shape.rope_theta)
   writer.add_layer_norm_rms_eps(shape.norm_eps)
@@ -173,7 +173,7 @@ def write_hf_directory(directory: pathlib.Path, tensors: dict[str, np.ndarray],
   cfg = {
       'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
       'vocab_size': shape.vocab_size, 'hidden_size': shape.embed_dim,
-      'num_hidden_layers': shape.num_layers, 'num_attention_heads': shape.num_heads,
+      'num_hidden_layers': shape.num_layers, 'num_attention_heads': shape.num_attention_heads,
       'num_key_value_heads': shape.num_kv_heads, 'head_dim': shape.head_dim,
       'intermediate_size': shape.mlp_dim, 'max_position_embeddings': shape.max_seq_len,
       'rope_theta': shape.rope_theta, 'rms_norm_eps': shape.norm_eps,

@@ -81,7 +81,8 @@ def sources(tmp_path_factory):
     if gguf_name in stored:
       values = stored[gguf_name]
       if name.endswith(('q_proj.weight', 'k_proj.weight')):
-        heads = testing.SHAPE.num_heads if 'q_proj' in name else testing.SHAPE.num_kv_heads
+        shape = testing.SHAPE
+        heads = shape.num_attention_heads if 'q_proj' in name else shape.num_kv_heads
         values = gguf_file_test.unpermute_by_index(values, heads)
       hf[name] = values
   hf_dir = testing.write_hf_directory(root / 'hf', hf, num_shards=2)
@@ -177,7 +178,7 @@ def test_heads_train_on_an_imported_trunk(imported, tmp_path):
   config.eval_steps = 0
   trainer_lib.train_and_evaluate(config, tmp_path)
   tuned = mtp.load(tmp_path)
-  assert tuned.tokenizer.special_ids == testing.SPECIAL_IDS and tuned.model.num_heads == 3
+  assert tuned.tokenizer.special_ids == testing.SPECIAL_IDS and tuned.model.mtp_num_heads == 3
   jax.tree.map(np.testing.assert_array_equal, nnx.state(source.model.trunk),
                nnx.state(tuned.model.trunk))
 

@@ -33,7 +33,7 @@ def evaluate_texts(model: mtp_model.MTPModel, tokenizer: tokenizer_lib.Tokenizer
   batch_size = min(batch_size, arrays['tokens'].shape[0])
   batches = pipeline.make_eval_batches(arrays, batch_size, max_batches, split='held-out')
   graphdef, params = nnx.split(model)
-  weights = tuple(loss_lib.head_weights(model.num_heads, 1.0))
+  weights = tuple(loss_lib.head_weights(model.mtp_num_heads, 1.0))
   totals: dict[str, float] = {}
   count = 0.0
   for batch in batches:
