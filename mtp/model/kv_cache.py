@@ -19,8 +19,8 @@ class KVCache:
   """Keys and values of every attention layer.
 
   Attributes:
-    keys: one [B, S, K, H] buffer per layer (rotary positions already applied).
-    values: one [B, S, K, H] buffer per layer.
+    keys: one [B, S, G, H] buffer per layer (rotary positions already applied).
+    values: one [B, S, G, H] buffer per layer.
   """
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
@@ -66,7 +66,7 @@ def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
   """Moves the accepted path of a verified block to contiguous slots.
 
   Args:
-    cache: cache whose slots [lengths[b], lengths[b] + N) hold a block of N candidate nodes.
+    cache: cache whose slots [lengths[b], lengths[b] + T) hold a block of T candidate nodes.
     lengths: [B] committed lengths before the block was written.
     path: [B, P] block-relative node indices, root first; entry d moves to slot lengths + d.
       Pad a shorter path by repeating its last node: slots past the new length are scratch.

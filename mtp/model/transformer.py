@@ -84,7 +84,7 @@ def rotary_embedding(x: Array, positions: Array, theta: float) -> Array:
   """Rotates pairs of features by position-dependent angles (RoPE, half-split layout).
 
   Args:
-    x: [B, T, N, H] queries or keys.
+    x: [B, T, N, H] queries or [B, T, G, H] keys.
     positions: [B, T] integer positions.
   """
   half = x.shape[-1] // 2
@@ -149,7 +149,7 @@ class Attention(nnx.Module):
                lengths: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
     """Attends x [B, T, D] at `positions` [B, T].
 
-    Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, S, K, H],
+    Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, S, G, H],
     the new keys and values are written at slots `lengths` [B] onward and `mask` is
     [B, 1, T, S]. Returns the output [B, T, D] and the updated (keys, values) or None.
     """
