@@ -51,29 +51,11 @@ def load(workdir: str | os.PathLike, step: int | None = None,
   model_config = mtp_model.ModelConfig.from_config(config.model)
   abstract = nnx.eval_shape(lambda: mtp_model.MTPModel(model_config, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(abstract)
-  base = checkpointing.base_reference(workdir)  # Heads only: the trunk lives there.
-  if base is not None:
-    abstract_params = nnx.State({'heads': abstract_params['heads']})
-  checkpointer = checkpointing.Checkpointer(workdir, read_only=True)
-  try:
-    step = checkpointer.latest_step() if step is None else step
-    if step is None:
-      raise checkpointing.CheckpointError(f'{checkpointer.directory} holds no checkpoint.')
-    if step not in checkpointer.all_steps():
-      raise checkpointing.CheckpointError(
-          f'{checkpointer.directory} has no step {step}; it has {checkpointer.all_steps()}.')
-    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                          abstract_params)
-    params, _ = checkpointer.restore(step, target)
-  finally:
-    checkpointer.close()
-  if base is not None:
-    trunk = nnx.state(load(base, device=device).model.trunk)
-    values = {'trunk': nnx.to_pure_dict(trunk), 'heads': nnx.to_pure_dict(params)['heads']}
-    _, params = nnx.split(nnx.eval_shape(
-        lambda: mtp_model.MTPModel(model_config, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(params, values)
+  sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        abstract_params)
+  # A heads-only workdir's trunk comes from its base workdir (base.json): restore_params knows.
+  params, step = checkpointing.restore_params(workdir, target, step=step)
   return LoadedModel(model=nnx.merge(graphdef, params), tokenizer=tokenizer, config=config,
                      step=step, workdir=workdir)
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from flax import nnx
 
+from mtp.checkpoint import param_tree
 from mtp.data import pipeline
 
 CONFIG_FILENAME = 'config.json'
@@ -59,9 +61,11 @@ def load_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
   if not path.exists():
     raise CheckpointError(f'{path} does not exist: {workdir} is not an mtp workdir.')
   try:
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    values = json.loads(path.read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f'{path} is not valid JSON ({e}).') from e
+  upgrade = _legacy_upgrade('mtp.model.mtp_model', 'upgrade_legacy_config')
+  return ml_collections.ConfigDict(upgrade(values) if upgrade else values)
 
 
 def write_base_reference(workdir: str | os.PathLike, base: str | os.PathLike) -> None:
@@ -117,24 +121,31 @@ class Checkpointer:
     return self._manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                               force=True)
 
-  def restore(self, step: int, abstract_params, abstract_opt_state=None, data_iterator=None):
+  def restore(self, step: int, params=None, opt_state=None, data_iterator=None):
     """Restores the given items at `step` into the shapes and shardings of the abstract trees.
 
-    Returns (params, opt_state or None); `data_iterator` is restored in place.
+    `params` and `opt_state` are abstract trees (`abstract_with_shardings`). Either may name only
+    part of what was saved: the rest is not read. A tree saved under the heads' legacy parameter
+    names is read into today's (see `_SavedTree`).
+
+    Returns (params or None, opt_state or None); `data_iterator` is restored in place.
     """
-    items = dict(params=ocp.args.StandardRestore(abstract_params))
-    if abstract_opt_state is not None:
-      items['opt_state'] = ocp.args.StandardRestore(abstract_opt_state)
-    if data_iterator is not None:
-      items['data'] = pipeline.iterator_checkpoint_args(data_iterator, restore=True)
     path = self.directory / str(step)
     try:
+      trees = {name: _SavedTree(path / name, target) for name, target in
+               (('params', params), ('opt_state', opt_state)) if target is not None}
+      items = {name: ocp.args.StandardRestore(tree.item) for name, tree in trees.items()}
+      if data_iterator is not None:
+        items['data'] = pipeline.iterator_checkpoint_args(data_iterator, restore=True)
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except CheckpointError:
+      raise
     except Exception as e:  # Orbax raises many types for unreadable files.
       raise CheckpointError(
           f'Checkpoint {path} could not be restored ({type(e).__name__}: {e}). It was left '
           'untouched; move it away to resume from an earlier step.') from e
-    return restored['params'], restored.get('opt_state') if abstract_opt_state else None
+    out = {name: tree.unpack(restored[name]) for name, tree in trees.items()}
+    return out.get('params'), out.get('opt_state')
 
   def close(self) -> None:
     self._manager.wait_until_finished()
@@ -146,3 +157,153 @@ def abstract_with_shardings(tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       tree, shardings)
 
+
+def restore_params(workdir: str | os.PathLike, target: nnx.State, *, step: int | None = None,
+                   parts: Sequence[str] | None = None) -> tuple[nnx.State, int]:
+  """Restores the parameters of a workdir's checkpoint: the one place that reads them.
+
+  A workdir that holds heads only (`base.json`) gives its heads; the trunk comes from the latest
+  checkpoint of the base workdir it names.
+
+  Args:
+    workdir: a training (or imported) workdir.
+    target: abstract parameters of the model to restore into, carrying the shardings to place
+      them with (`abstract_with_shardings`).
+    step: the checkpoint; default the latest.
+    parts: the top-level parts of `target` to restore ('trunk', 'heads'); default all. The
+      checkpoint may hold other parts (another model's heads, say).
+
+  Returns:
+    (the parameters: `target`'s `parts`, restored; the step).
+
+  Raises:
+    CheckpointError: no such checkpoint, or it does not hold these parameters (the message names
+      the workdir and what is missing).
+  """
+  workdir = pathlib.Path(workdir)
+  parts = tuple(parts or target.keys())
+  base = base_reference(workdir)
+  here = [p for p in parts if base is None or p != param_tree.TRUNK]
+  step, restored = _restore_parts(workdir, target, step, here)
+  if base is not None and param_tree.TRUNK in parts:
+    _, trunk = _restore_parts(base, target, None, [param_tree.TRUNK])
+    restored = {**restored, **trunk}
+  wanted = param_tree.select(target, parts)
+  return jax.tree.unflatten(jax.tree.structure(wanted),
+                            [restored[path] for path in _flat(wanted)]), step
+
+
+def _restore_parts(workdir: pathlib.Path, target: nnx.State, step: int | None,
+                   parts: Sequence[str]) -> tuple[int, dict]:
+  """(step, {path: array}) of `parts` at `step` (default the latest) of `workdir`."""
+  checkpointer = Checkpointer(workdir, read_only=True)
+  try:
+    steps = checkpointer.all_steps()
+    if not steps:
+      raise CheckpointError(f'{checkpointer.directory} holds no checkpoint.')
+    step = max(steps) if step is None else step
+    if step not in steps:
+      raise CheckpointError(f'{checkpointer.directory} has no step {step}; it has {steps}.')
+    if not parts:
+      return step, {}
+    params, _ = checkpointer.restore(step, param_tree.select(target, parts))
+  finally:
+    checkpointer.close()
+  return step, _flat(params)
+
+
+def _flat(tree) -> dict[tuple[str, ...], Any]:
+  """{path: leaf}, the path's keys as strings, as Orbax names the arrays it saves."""
+  return {_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _names(path) -> tuple[str, ...]:
+  def name(key):
+    for attribute in ('key', 'name', 'idx'):
+      if hasattr(key, attribute):
+        return str(getattr(key, attribute))
+    return str(key)
+  return tuple(name(key) for key in path)
+
+
+class _SavedTree:
+  """Reads one saved tree (an Orbax item) into an abstract target tree.
+
+  The restore item is the saved tree's own structure, from its metadata: the arrays the target
+  wants carry its dtypes and shardings.
+  The target's paths are the saved ones, or, for a tree saved before the head families' child
+  lists were renamed, those that `upgrade_legacy_tree` gives the saved ones.
+  """
+
+  def __init__(self, directory: pathlib.Path, target):
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      metadata = handler.metadata(directory).tree
+    finally:
+      handler.close()
+    saved, wanted = _flat(metadata), _flat(target)
+    if wanted.keys() <= saved.keys():
+      sources = {path: path for path in wanted}
+    else:
+      sources = _legacy_sources(directory, saved, wanted)
+    for path, source in sources.items():
+      if tuple(saved[source].shape) != tuple(wanted[path].shape):
+        raise CheckpointError(
+            f'{directory}: {"/".join(source)} has shape {tuple(saved[source].shape)}, the model '
+            f'wants {tuple(wanted[path].shape)}: the checkpoint is of another model.')
+    by_source = {sources[path]: leaf for path, leaf in wanted.items()}
+    # StandardRestore takes no placeholders: what the target does not want (another model's
+    # heads, say: small) is read onto one local device and dropped.
+    aside = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def item(path, leaf):
+      want = by_source.get(_names(path))
+      if want is None:
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=aside)
+      return jax.ShapeDtypeStruct(leaf.shape, want.dtype, sharding=want.sharding)
+    self.item = jax.tree_util.tree_map_with_path(item, metadata)
+    self._treedef = jax.tree.structure(target)
+    self._sources = [sources[path] for path in wanted]
+
+  def unpack(self, restored):
+    arrays = _flat(restored)
+    return jax.tree.unflatten(self._treedef, [arrays[source] for source in self._sources])
+
+
+def _legacy_sources(directory: pathlib.Path, saved: dict, wanted: dict) -> dict:
+  """{target path: saved path} for a tree saved under the heads' legacy parameter names."""
+  upgrade = _legacy_upgrade('mtp.model.heads', 'upgrade_legacy_tree')
+  renamed = {}
+  if upgrade is not None:
+    # The saved paths as leaves of a nested dict (lists too, as dicts of indices), renamed
+    # wherever a `heads` node has the old layout (in the parameters and in the optimizer state).
+    nested: dict = {}
+    for path in saved:
+      node = nested
+      for key in path[:-1]:
+        node = node.setdefault(key, {})
+      node[path[-1]] = _SavedPath(path)
+    renamed = {path: leaf.path for path, leaf in _flat(upgrade(nested)).items()}
+  missing = [path for path in wanted if path not in renamed]
+  if missing:
+    raise CheckpointError(
+        f'{directory} does not hold {len(missing)} of the arrays the model wants, such as '
+        f'{", ".join("/".join(p) for p in missing[:3])}: the checkpoint is of another model.')
+  return {path: renamed[path] for path in wanted}
+
+
+class _SavedPath:
+  """A leaf that `upgrade_legacy_tree` carries along unchanged (not a dict, list or array)."""
+
+  def __init__(self, path: tuple[str, ...]):
+    self.path = path
+
+
+def _legacy_upgrade(module: str, name: str):
+  """`module.name`, a function that reads what older versions saved, or None where it does not
+  exist (yet). Imported when called: the model imports nothing from here."""
+  import importlib
+  try:
+    return getattr(importlib.import_module(module), name, None)
+  except ModuleNotFoundError:
+    return None

@@ -1,0 +1,123 @@
+"""Restoring parameters: parts of a tree, checkpoints of another model, and the heads' legacy
+parameter names (in the parameters and in the optimizer state)."""
+
+import importlib
+import json
+
+import chex
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import tiny
+from mtp.checkpoint import checkpointing
+from mtp.checkpoint import param_tree
+from mtp.model import mtp_model
+from mtp.train import optim
+
+
+def _config(head_type='medusa', vocab_size=264):
+  config = tiny.get_config()
+  config.model.mtp_head_type = head_type
+  config.model.vocab_size = vocab_size
+  return config
+
+
+def _params_and_target(config):
+  model = mtp_model.MTPModel(mtp_model.ModelConfig.from_config(config.model), rngs=nnx.Rngs(0))
+  params = nnx.state(model)
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        params)
+  return params, target
+
+
+def _nested(tree) -> dict:
+  """`tree` as the nested dicts Orbax saves it as (keys as strings, 'value' leaves and all)."""
+  out: dict = {}
+  for path, leaf in checkpointing._flat(tree).items():
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = leaf
+  return out
+
+
+def _with_legacy_heads(tree):
+  """The inverse of `upgrade_legacy_tree`: every `heads` node in today's `layers` layout back in
+  the old one (medusa: heads/heads/{k}/{j}; parallel: heads/blocks/{k}, heads/norms/{k})."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for key, value in tree.items():
+    if key == 'heads' and isinstance(value, dict) and 'layers' in value:
+      layers = value['layers']
+      if all('blocks' in layer for layer in layers.values()):
+        out[key] = {'heads': {k: layer['blocks'] for k, layer in layers.items()}}
+      else:
+        out[key] = {'blocks': {k: layer['block'] for k, layer in layers.items()},
+                    'norms': {k: layer['norm'] for k, layer in layers.items()}}
+    else:
+      out[key] = _with_legacy_heads(value)
+  return out
+
+
+def _arrays(tree) -> dict:
+  return {path: np.asarray(leaf) for path, leaf in checkpointing._flat(tree).items()}
+
+
+@pytest.mark.parametrize('head_type', ['medusa', 'parallel'])
+def test_a_checkpoint_with_the_legacy_head_names_restores(tmp_path, head_type):
+  if not hasattr(importlib.import_module('mtp.model.heads'), 'upgrade_legacy_tree'):
+    pytest.skip('mtp.model.heads.upgrade_legacy_tree does not exist yet.')
+  config = _config(head_type)
+  params, target = _params_and_target(config)
+  optimizer = optim.make_optimizer(config.optim, config.num_train_steps, params)
+  opt_state = optimizer.init(params)
+  legacy_params = _with_legacy_heads(_nested(params))
+  legacy_opt_state = _with_legacy_heads(_nested(opt_state))
+  assert _arrays(legacy_params).keys() != _arrays(params).keys()
+  checkpointer = checkpointing.Checkpointer(tmp_path, async_save=False)
+  checkpointer.save(3, legacy_params, legacy_opt_state, force=True)
+  checkpointer.close()
+
+  restored, step = checkpointing.restore_params(tmp_path, target)
+  assert step == 3
+  chex.assert_trees_all_equal_structs(restored, target)
+  chex.assert_trees_all_equal(_arrays(restored), _arrays(params))
+  # Resuming reads the optimizer state's copies of the parameter tree the same way.
+  opt_target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding),
+                            jax.eval_shape(optimizer.init, target))
+  checkpointer = checkpointing.Checkpointer(tmp_path, read_only=True)
+  _, restored_opt = checkpointer.restore(3, opt_state=opt_target)
+  checkpointer.close()
+  chex.assert_trees_all_equal(_arrays(restored_opt), _arrays(opt_state))
+
+
+def test_parts_and_another_models_checkpoint(tmp_path):
+  params, target = _params_and_target(_config())
+  checkpointer = checkpointing.Checkpointer(tmp_path, async_save=False)
+  checkpointer.save_params(1, params)
+  checkpointer.close()
+  trunk, _ = checkpointing.restore_params(tmp_path, target, parts=[param_tree.TRUNK])
+  assert list(trunk.keys()) == [param_tree.TRUNK]
+  chex.assert_trees_all_equal(_arrays(trunk), _arrays(param_tree.select(params, ['trunk'])))
+
+  _, other = _params_and_target(_config(vocab_size=128))
+  with pytest.raises(checkpointing.CheckpointError, match='checkpoint is of another model'):
+    checkpointing.restore_params(tmp_path, other)
+  _, other = _params_and_target(_config(head_type='sequential'))
+  with pytest.raises(checkpointing.CheckpointError, match='checkpoint is of another model'):
+    checkpointing.restore_params(tmp_path, other)
+
+
+def test_a_config_with_the_legacy_attention_heads_key_loads(tmp_path):
+  if not hasattr(mtp_model, 'upgrade_legacy_config'):
+    pytest.skip('mtp.model.mtp_model.upgrade_legacy_config does not exist yet.')
+  config = _config().to_dict()
+  config['model']['num_heads'] = config['model'].pop('num_attention_heads')
+  (tmp_path / checkpointing.CONFIG_FILENAME).write_text(json.dumps(config))
+  loaded = checkpointing.load_config(tmp_path)
+  assert loaded.model.num_attention_heads == 4 and 'num_heads' not in loaded.model
