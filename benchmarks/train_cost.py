@@ -32,17 +32,16 @@ flags.DEFINE_string('output', 'results/train_cost.json', 'Where to write the fig
 def measure(config, mesh, steps):
   import jax
   import numpy as np
-  from mtp.parallel import mesh as mesh_lib
-  from mtp.train import trainer as trainer_lib
+  from mtp.train import step as step_lib
 
-  trainer = trainer_lib.Trainer(config, mesh)
+  trainer = step_lib.Trainer(config, mesh)
   state = trainer.init_state()
   rng = np.random.default_rng(0)
   b, t = config.data.batch_size, config.data.seq_len
-  batch = mesh_lib.shard_batch({
+  batch = trainer.train_batch({
       'tokens': rng.integers(0, config.model.vocab_size, (b, t)).astype(np.int32),
       'segment_ids': np.ones((b, t), np.int32),
-      'positions': np.broadcast_to(np.arange(t), (b, t)).astype(np.int32)}, mesh)
+      'positions': np.broadcast_to(np.arange(t), (b, t)).astype(np.int32)})
   compiled = trainer.train_step.lower(state, batch).compile()
   memory = compiled.memory_analysis()
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes

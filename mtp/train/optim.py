@@ -13,6 +13,8 @@ import jax
 import optax
 from flax import nnx
 
+from mtp.checkpoint import param_tree
+
 MODES = ('joint', 'frozen_trunk', 'finetune')
 
 
@@ -40,13 +42,6 @@ def learning_rate_schedule(optim_config, num_train_steps: int, peak: float) -> o
       end_value=peak * optim_config.end_lr_fraction)
 
 
-def param_groups(params: nnx.State) -> nnx.State:
-  """'heads' for parameters under the model's `heads` attribute, 'trunk' for the rest."""
-  def label(path, _):
-    return 'heads' if path and getattr(path[0], 'key', path[0]) == 'heads' else 'trunk'
-  return jax.tree_util.tree_map_with_path(label, params)
-
-
 def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
@@ -66,4 +61,5 @@ def make_optimizer(optim_config, num_train_steps: int, params: nnx.State
   heads = adamw(lr * optim_config.head_lr_multiplier)
   return optax.chain(
       optax.clip_by_global_norm(optim_config.grad_clip_norm),
-      optax.multi_transform({'trunk': trunk, 'heads': heads}, param_groups(params)))
+      optax.multi_transform({param_tree.TRUNK: trunk, param_tree.HEADS: heads},
+                            param_tree.labels(params)))

@@ -6,7 +6,6 @@ import shutil
 import signal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -14,6 +13,7 @@ from flax import nnx
 from configs import tiny
 from mtp.checkpoint import checkpointing
 from mtp.parallel import mesh as mesh_lib
+from mtp.train import step as step_lib
 from mtp.train import trainer as trainer_lib
 from mtp.train import writers
 
@@ -45,11 +45,10 @@ def _single_device_mesh():
 
 def _train_on_counting(config):
   """Trains on counting rows (vocabulary 32, length 32) and evaluates on unseen ones."""
-  trainer = trainer_lib.Trainer(config, _single_device_mesh())
+  trainer = step_lib.Trainer(config, _single_device_mesh())
   state = trainer.init_state()
   for step in range(config.num_train_steps):
-    batch = mesh_lib.shard_batch(_counting_batch(8, 32, 32, step), trainer.mesh)
-    state, _ = trainer.train_step(state, batch)
+    state, _ = trainer.train_step(state, trainer.train_batch(_counting_batch(8, 32, 32, step)))
   return trainer.evaluate(state.params, [_counting_batch(8, 32, 32, 10_000)])
 
 
@@ -66,12 +65,11 @@ def test_head_k_learns_token_t_plus_1_plus_k(head_type):
 
 def test_frozen_trunk_stays_bit_identical_while_heads_learn():
   config = _config(**{'optim.mode': 'frozen_trunk', 'model.mtp_head_type': 'parallel'})
-  trainer = trainer_lib.Trainer(config, _single_device_mesh())
+  trainer = step_lib.Trainer(config, _single_device_mesh())
   state = trainer.init_state()
   before = jax.device_get(state.params)
   for step in range(3):
-    state, _ = trainer.train_step(state, mesh_lib.shard_batch(_counting_batch(8, 64, 264, step),
-                                                              trainer.mesh))
+    state, _ = trainer.train_step(state, trainer.train_batch(_counting_batch(8, 64, 264, step)))
   after = jax.device_get(state.params)
   flat_before = dict(nnx.to_flat_state(before))
   flat_after = dict(nnx.to_flat_state(after))
@@ -90,10 +88,10 @@ def test_sharded_step_on_a_2x2x2_mesh_matches_one_device():
   batches = [_counting_batch(8, 64, 264, s) for s in range(2)]
   results = []
   for mesh in (_single_device_mesh(), mesh_lib.make_mesh(dict(data=2, fsdp=2, tensor=2))):
-    trainer = trainer_lib.Trainer(config, mesh)
+    trainer = step_lib.Trainer(config, mesh)
     state = trainer.init_state()
     for batch in batches:
-      state, metrics = trainer.train_step(state, mesh_lib.shard_batch(batch, mesh))
+      state, metrics = trainer.train_step(state, trainer.train_batch(batch))
     results.append((jax.device_get(metrics), jax.device_get(state.params), state))
   (m1, p1, _), (m8, p8, sharded_state) = results
   np.testing.assert_allclose(m1['loss'], m8['loss'], rtol=1e-5)

@@ -1,0 +1,72 @@
+"""Checks of a training config before anything is compiled: its values, and that it matches the
+workdir it resumes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import ml_collections
+
+from mtp.checkpoint import checkpointing
+from mtp.model import mtp_model
+from mtp.parallel import mesh as mesh_lib
+from mtp.train import distill
+from mtp.train import optim
+
+# Model settings that change how it runs, not what its parameters are.
+RUNTIME_MODEL_KEYS = frozenset({'remat', 'dtype'})
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+  """Raises ValueError naming the first invalid value, before anything is compiled."""
+  model_cfg = mtp_model.ModelConfig.from_config(config.model)
+  model_cfg.validate()
+  optim.validate(config.optim, config.num_train_steps)
+  for key in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps'):
+    if config[key] <= 0:
+      raise ValueError(f'{key} must be positive, got {config[key]}.')
+  if config.eval_steps < 0:
+    raise ValueError(f'eval_steps must be >= 0, got {config.eval_steps}.')
+  if config.mtp_loss_scaling_factor < 0:
+    raise ValueError('mtp_loss_scaling_factor must be >= 0, got '
+                     f'{config.mtp_loss_scaling_factor}.')
+  if not 1 <= config.mtp_head_loss_stride <= config.data.seq_len:
+    raise ValueError('mtp_head_loss_stride must be between 1 and data.seq_len, got '
+                     f'{config.mtp_head_loss_stride}.')
+  if config.data.seq_len < 2:
+    raise ValueError(f'data.seq_len must be at least 2, got {config.data.seq_len}.')
+  if config.data.seq_len > config.model.max_seq_len:
+    raise ValueError(f'data.seq_len ({config.data.seq_len}) exceeds the model\'s maximum '
+                     f'sequence length model.max_seq_len ({config.model.max_seq_len}).')
+  distill.validate(config)
+  if config.data.tokenizer not in ('bpe', 'byte'):
+    raise ValueError(f"data.tokenizer must be 'bpe' or 'byte', got {config.data.tokenizer!r}.")
+  if num_devices is not None:
+    shape = dict(zip(mesh_lib.MESH_AXES, mesh_lib.resolve_mesh_shape(config.mesh, num_devices)))
+    shards = shape['data'] * shape['fsdp']
+    if config.data.batch_size % shards:
+      raise ValueError(f'data.batch_size ({config.data.batch_size}) must be divisible by the '
+                       f'mesh\'s data x fsdp size ({shards}).')
+
+
+def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+  """A workdir's saved model and tokenizer settings must match the config resuming it."""
+  path = workdir / checkpointing.CONFIG_FILENAME
+  if not path.exists():
+    return
+  saved = checkpointing.load_config(workdir)
+  mismatched = [f'model.{k}: {saved.model[k]!r} in the workdir, {config.model[k]!r} now'
+                for k in config.model if k in saved.model and k not in RUNTIME_MODEL_KEYS and
+                _normalise(saved.model[k]) != _normalise(config.model[k])]
+  for key in ('tokenizer', 'seq_len', 'corpus'):
+    if _normalise(saved.data.get(key)) != _normalise(config.data.get(key)):
+      mismatched.append(f'data.{key}: {saved.data.get(key)!r} in the workdir, '
+                        f'{config.data.get(key)!r} now')
+  if mismatched:
+    raise ValueError(f'The config does not match the existing workdir {workdir}: '
+                     + '; '.join(mismatched) + '. Use a new --workdir or the saved config.')
+
+
+def _normalise(value):
+  return json.loads(json.dumps(value, default=list))

@@ -1,0 +1,134 @@
+"""Self-distillation settings and the trunk caches they need (see `trunk_cache`).
+
+`distill.targets` names what the heads (and a fine-tuned trunk) learn to predict; with
+`distill.cache_trunk_states` a frozen trunk runs once over the rows, ahead of training.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from typing import Callable
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from mtp.checkpoint import checkpointing
+from mtp.train import trunk_cache
+
+# 'text': the corpus; 'teacher': the base trunk's greedy next token on the corpus; 'rollout': the
+# base trunk's greedy continuations of prompts cut from the corpus (see `trunk_cache`).
+DISTILL_TARGETS = ('text', 'teacher', 'rollout')
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first invalid `distill.*` value."""
+  distill = config.get('distill')
+  if distill is None:
+    return
+  if distill.targets not in DISTILL_TARGETS:
+    raise ValueError(f'distill.targets must be one of {DISTILL_TARGETS}, got '
+                     f'{distill.targets!r}.')
+  if distill.targets != 'text' and not config.get('init_from'):
+    raise ValueError(f"distill.targets={distill.targets!r} needs init_from: the pretrained "
+                     'workdir whose trunk is the teacher.')
+  if distill.targets == 'rollout':
+    if not 1 <= distill.get('prompt_len', 0) < config.data.seq_len:
+      raise ValueError('distill.prompt_len must be in [1, data.seq_len), got '
+                       f'{distill.get("prompt_len")} for seq_len {config.data.seq_len}.')
+    if jax.process_count() > 1:
+      raise ValueError("distill.targets='rollout' runs in a single process only.")
+  if distill.cache_trunk_states:
+    if config.optim.mode != 'frozen_trunk' or not config.get('init_from'):
+      raise ValueError('distill.cache_trunk_states needs optim.mode=\'frozen_trunk\' and '
+                       f'init_from (got mode {config.optim.mode!r}, init_from '
+                       f'{config.get("init_from")!r}): only a frozen trunk\'s states can be '
+                       'reused.')
+    if jax.process_count() > 1:
+      raise ValueError('distill.cache_trunk_states runs in a single process only.')
+  if distill.batch_size <= 0:
+    raise ValueError(f'distill.batch_size must be positive, got {distill.batch_size}.')
+
+
+def uses_trunk_cache(config: ml_collections.ConfigDict) -> bool:
+  distill = config.get('distill')
+  return distill is not None and (distill.targets != 'text' or distill.cache_trunk_states)
+
+
+def batch_fields(config: ml_collections.ConfigDict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """The optional `step.Batch` fields of (train, eval) batches: what `with_trunk_cache` adds."""
+  if not uses_trunk_cache(config):
+    return (), ()
+  distill = config.distill
+  fields = []
+  if distill.targets != 'text':
+    fields.append(trunk_cache.TARGETS)
+  if distill.targets == 'rollout':
+    fields.append(trunk_cache.HEAD_MASK)
+  if distill.cache_trunk_states:
+    fields.append(trunk_cache.HIDDEN)
+  # Only rollouts replace the eval rows too; otherwise evaluation reads the text.
+  rolled_out_eval = distill.targets == 'rollout' and config.eval_steps
+  return tuple(fields), tuple(fields) if rolled_out_eval else ()
+
+
+def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, trainer,
+                     arrays: dict[str, np.ndarray], base_params: Callable[[], nnx.State],
+                     max_rows: int | None = None) -> dict[str, np.ndarray]:
+  """The rows plus what `distill` asks of the init_from trunk, built once under the workdir.
+
+  With distill.targets='rollout' the rows themselves are replaced: at most `max_rows` prompts
+  cut from them, each continued greedily by the trunk. `base_params` gives the parameters with
+  the base trunk (called only when something has to be built).
+
+  Args:
+    trainer: the `step.Trainer` (its graph definition and trunk settings).
+    arrays: packed rows, `tokens`, `segment_ids`, `positions` [N, T] int32.
+  """
+  source = pathlib.Path(config.init_from).absolute()
+  checkpointer = checkpointing.Checkpointer(source, read_only=True)
+  try:
+    source_step = checkpointer.latest_step()
+  finally:
+    checkpointer.close()
+  distill = config.distill
+  store_hidden = bool(distill.cache_trunk_states)
+  description = f'{trainer.model_config.trunk}|{source}|step {source_step}'
+  hidden = [trunk_cache.HIDDEN] if store_hidden else []
+  if distill.targets == 'rollout':
+    prompts = trunk_cache.rollout_prompts(arrays, distill.prompt_len)[:max_rows]
+    seq_len = arrays['tokens'].shape[1]
+    key = trunk_cache.cache_key({'prompts': prompts}, f'{description}|rollout to {seq_len}',
+                                store_hidden)
+    names = ['tokens', 'segment_ids', 'positions', trunk_cache.TARGETS,
+             trunk_cache.HEAD_MASK] + hidden
+  else:
+    key = trunk_cache.cache_key(arrays, description, store_hidden)
+    names = [trunk_cache.TARGETS] + hidden
+  directory = workdir / 'trunk_cache' / key
+  if all((directory / f'{name}.npy').exists() for name in names):
+    cached = trunk_cache.load(directory, names)
+  elif distill.targets == 'rollout':
+    # The teacher is always the source's trunk, also when resuming a fine-tuned one.
+    rollout = functools.partial(trunk_cache.rollout_forward(trainer.graphdef, seq_len),
+                                base_params())
+    logging.info('Greedy continuations by the trunk of %s of %d prompts of %d tokens, to %d '
+                 'tokens -> %s.', source, prompts.shape[0], prompts.shape[1], seq_len,
+                 directory)
+    cached = trunk_cache.build_rollouts(prompts, rollout, directory, seq_len=seq_len,
+                                        batch_size=distill.batch_size,
+                                        store_hidden=store_hidden)
+  else:
+    forward = functools.partial(trunk_cache.trunk_forward(trainer.graphdef), base_params())
+    logging.info('One pass of the trunk of %s over %d rows -> %s.', source,
+                 arrays['tokens'].shape[0], directory)
+    cached = trunk_cache.build(arrays, forward, directory, batch_size=distill.batch_size,
+                               store_hidden=store_hidden)
+  if distill.targets == 'rollout':
+    return cached
+  if distill.targets == 'text':
+    del cached[trunk_cache.TARGETS]
+  return {**arrays, **cached}

@@ -1,0 +1,92 @@
+"""The train state a run starts from: fresh, resumed from its workdir, or on the trunk of a
+pretrained workdir (`init_from`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import logging
+from flax import nnx
+
+from mtp.checkpoint import checkpointing
+from mtp.checkpoint import param_tree
+from mtp.model import mtp_model
+from mtp.train import config_checks
+from mtp.train import step as step_lib
+
+
+def saves_heads_only(config: ml_collections.ConfigDict) -> bool:
+  """A frozen pretrained trunk is already saved in its own workdir: keep only the heads."""
+  return bool(config.get('init_from')) and config.optim.mode == 'frozen_trunk'
+
+
+def saved_params(config: ml_collections.ConfigDict, params: nnx.State) -> nnx.State:
+  """What a checkpoint of this run holds of `params`."""
+  return param_tree.select(params, [param_tree.HEADS]) if saves_heads_only(config) else params
+
+
+def initial_state(config: ml_collections.ConfigDict, workdir: pathlib.Path,
+                  trainer: step_lib.Trainer, checkpointer: checkpointing.Checkpointer,
+                  data_iterator) -> tuple[step_lib.TrainState, int]:
+  """(The state to train from, its step): the workdir's latest checkpoint, with the data
+  iterator restored in place; else the init_from trunk under fresh heads; else fresh."""
+  start_step = checkpointer.latest_step() or 0
+  if start_step:
+    abstract = trainer.abstract_state_with_shardings()
+    if saves_heads_only(config):  # The frozen trunk comes from the base workdir, as at step 0.
+      check_same_trunk(config.init_from, trainer)
+    params, _ = checkpointing.restore_params(workdir, abstract.params, step=start_step)
+    _, opt_state = checkpointer.restore(start_step, opt_state=abstract.opt_state,
+                                        data_iterator=data_iterator)
+    state = step_lib.TrainState(step=jax.device_put(jnp.asarray(start_step, jnp.int32),
+                                                    trainer.state_shardings.step),
+                                params=params, opt_state=opt_state)
+    logging.info('Resumed from step %d in %s.', start_step, workdir)
+    return state, start_step
+  state = trainer.init_state()
+  if config.get('init_from'):
+    state = state.replace(params=with_pretrained_trunk(state.params, config.init_from, trainer))
+    logging.info('Initialised the trunk from %s.', config.init_from)
+  return state, 0
+
+
+def with_pretrained_trunk(params: nnx.State, source: str | pathlib.Path,
+                          trainer: step_lib.Trainer) -> nnx.State:
+  """`params` with the trunk replaced by the one in workdir `source` (its latest step).
+
+  The source may have other heads or none; its trunk must have the same shape.
+  """
+  check_same_trunk(source, trainer)
+  target = trainer.abstract_state_with_shardings().params
+  trunk, _ = checkpointing.restore_params(source, target, parts=[param_tree.TRUNK])
+  return param_tree.replace(params, trunk)
+
+
+def check_same_trunk(source: str | pathlib.Path, trainer: step_lib.Trainer) -> None:
+  """Raises ValueError unless workdir `source` has the configured trunk (runtime settings
+  aside)."""
+  source_config = checkpointing.load_config(source)
+  source_trunk = mtp_model.ModelConfig.from_config(source_config.model).trunk
+  configured = trainer.model_config.trunk
+  runtime = {k: getattr(configured, k) for k in config_checks.RUNTIME_MODEL_KEYS}
+  if not _same_trunk(dataclasses.replace(source_trunk, **runtime), configured):
+    raise ValueError(f'init_from: the trunk in {source} ({source_trunk}) does not match '
+                     f'the configured trunk ({configured}).')
+
+
+def _same_trunk(a, b) -> bool:
+  """Equal trunk settings; floats need only agree to float32 precision (1e-5 vs the float32
+  9.9999997e-06 read from a GGUF file are the same epsilon)."""
+  for field in dataclasses.fields(a):
+    x, y = getattr(a, field.name), getattr(b, field.name)
+    if isinstance(x, float) or isinstance(y, float):
+      if not math.isclose(x, y, rel_tol=1e-6):
+        return False
+    elif x != y:
+      return False
+  return True

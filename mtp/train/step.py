@@ -1,0 +1,187 @@
+"""Jitted train and eval steps over a device mesh, and the batch type they read.
+
+The model is split once with `nnx.split`: the graph definition stays static and the parameters
+travel as an `nnx.State` pytree with explicit shardings, so each step is a plain `jax.jit`
+function with the train state donated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from mtp.checkpoint import checkpointing
+from mtp.checkpoint import param_tree
+from mtp.model import mtp_model
+from mtp.parallel import mesh as mesh_lib
+from mtp.train import loss as loss_lib
+from mtp.train import optim
+
+Array = jax.Array
+
+# The fields a batch may carry beside tokens, positions and segment ids (see `Batch`).
+OPTIONAL_FIELDS = ('targets', 'head_mask', 'trunk_hidden')
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: Array
+  params: nnx.State
+  opt_state: Any
+
+
+@flax.struct.dataclass
+class Batch:
+  """One global batch of packed rows; B rows of T tokens.
+
+  The optional fields are None or present for a whole run (the config decides which, see
+  `distill.batch_fields`); being part of the pytree's structure, they are static under `jit`.
+
+  Attributes:
+    tokens, positions, segment_ids: [B, T] int32.
+    targets: [B, T] int32 labels read in place of `tokens` (self-distillation), or None.
+    head_mask: [B, T] bool, the positions whose heads' losses count, or None for all.
+    trunk_hidden: [B, T, D] float32, the frozen trunk's last hidden state computed ahead of
+      training, or None to run the trunk.
+  """
+  tokens: Array
+  positions: Array
+  segment_ids: Array
+  targets: Array | None = None
+  head_mask: Array | None = None
+  trunk_hidden: Array | None = None
+
+  @classmethod
+  def from_arrays(cls, arrays: Mapping[str, np.ndarray], fields: Sequence[str],
+                  mesh: jax.sharding.Mesh) -> Batch:
+    """This process's rows of `arrays` placed on the mesh: exactly the optional `fields`."""
+    names = ('tokens', 'positions', 'segment_ids') + tuple(fields)
+    missing = [name for name in names if name not in arrays]
+    if missing:
+      raise KeyError(f'The batch lacks {missing}; it has {sorted(arrays)}.')
+    return cls(**mesh_lib.shard_batch({name: arrays[name] for name in names}, mesh))
+
+
+class Trainer:
+  """Compiled initialisation, train and eval steps for one config on one mesh.
+
+  Args:
+    config: see configs/base.py.
+    mesh: the device mesh.
+    train_fields, eval_fields: the optional `Batch` fields of train and eval batches.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+               train_fields: Sequence[str] = (), eval_fields: Sequence[str] = ()):
+    self.config = config
+    self.mesh = mesh
+    self.train_fields, self.eval_fields = tuple(train_fields), tuple(eval_fields)
+    self.model_config = mtp_model.ModelConfig.from_config(config.model)
+    abstract_model = nnx.eval_shape(
+        lambda: mtp_model.MTPModel(self.model_config, rngs=nnx.Rngs(config.seed)))
+    self.graphdef, abstract_params = nnx.split(abstract_model)
+    self.param_shardings = mesh_lib.state_shardings(abstract_params, mesh)
+    self.optimizer = optim.make_optimizer(config.optim, config.num_train_steps, abstract_params)
+    self._is_head = jax.tree.map(lambda part: part == param_tree.HEADS,
+                                 param_tree.labels(abstract_params))
+    self.batch_sharding = mesh_lib.batch_sharding(mesh)
+    # A frozen trunk learning from its own greedy tokens has a constant loss: skip it.
+    distill = config.get('distill')
+    self._trunk_is_teacher = (config.optim.mode == 'frozen_trunk' and distill is not None
+                              and distill.targets != 'text')
+    self.loss_weights = loss_lib.head_weights(self.model_config.mtp_num_heads,
+                                              config.mtp_head_weight_decay)
+
+    # Compiling initialisation yields the optimizer state's shardings too (propagated from the
+    # parameters') without allocating anything.
+    self._init_compiled = jax.jit(self._init).lower().compile()
+    self.state_shardings = self._init_compiled.output_shardings
+    self.abstract_state = jax.eval_shape(self._init)
+    self.train_step = jax.jit(self._train_step, donate_argnums=0,
+                              in_shardings=(self.state_shardings, self.batch_sharding),
+                              out_shardings=(self.state_shardings, None))
+    self.eval_step = jax.jit(self._eval_step,
+                             in_shardings=(self.state_shardings.params, self.batch_sharding))
+
+  def init_state(self) -> TrainState:
+    return self._init_compiled()
+
+  def abstract_state_with_shardings(self) -> TrainState:
+    return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
+
+  def model(self, params: nnx.State) -> mtp_model.MTPModel:
+    return nnx.merge(self.graphdef, params)
+
+  def train_batch(self, arrays: Mapping[str, np.ndarray]) -> Batch:
+    """A host batch (numpy rows from the pipeline) as the train step reads it."""
+    return Batch.from_arrays(arrays, self.train_fields, self.mesh)
+
+  def eval_batch(self, arrays: Mapping[str, np.ndarray]) -> Batch:
+    return Batch.from_arrays(arrays, self.eval_fields, self.mesh)
+
+  def _init(self) -> TrainState:
+    model = mtp_model.MTPModel(self.model_config, rngs=nnx.Rngs(self.config.seed))
+    params = nnx.state(model)
+    params = jax.lax.with_sharding_constraint(params, self.param_shardings)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=self.optimizer.init(params))
+
+  def _loss(self, params: nnx.State, batch: Batch, step: Array | None = None):
+    """Training (step given) computes the heads' losses at every `mtp_head_loss_stride`-th
+    position, rotating with the step; evaluation (step None) at every position."""
+    model = nnx.merge(self.graphdef, params)
+    if batch.trunk_hidden is not None:  # The frozen trunk ran once, ahead of training.
+      hidden = model.outputs_from_trunk(batch.trunk_hidden, batch.tokens, batch.positions,
+                                        batch.segment_ids)
+    else:
+      hidden = model(batch.tokens, batch.positions, batch.segment_ids)
+    labels = batch.tokens if batch.targets is None else batch.targets
+    stride = self.config.mtp_head_loss_stride
+    positions = None
+    if step is not None and stride > 1:
+      positions = loss_lib.head_positions(batch.tokens.shape[1], stride, step)
+    out = loss_lib.mtp_loss(hidden, model.unembedding(), labels, batch.segment_ids,
+                            loss_scaling_factor=self.config.mtp_loss_scaling_factor,
+                            weights=self.loss_weights, chunk_size=self.config.loss_chunk_size,
+                            positions=positions, head_mask=batch.head_mask,
+                            trunk_is_teacher=self._trunk_is_teacher
+                            and batch.targets is not None,
+                            train_unembedding=self.config.optim.mode != 'frozen_trunk')
+    return out.total, out.metrics
+
+  def _train_step(self, state: TrainState, batch: Batch):
+    params = state.params
+    if self.config.optim.mode == 'frozen_trunk':
+      # No gradient flows into the trunk, so its backward pass is never computed.
+      params = jax.tree.map(lambda p, head: p if head else jax.lax.stop_gradient(p),
+                            params, self._is_head)
+    (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch,
+                                                                        state.step)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    metrics['grad_norm'] = optax.global_norm(grads)
+    return TrainState(step=state.step + 1, params=new_params, opt_state=opt_state), metrics
+
+  def _eval_step(self, params: nnx.State, batch: Batch):
+    return self._loss(params, batch)[1]
+
+  def evaluate(self, params: nnx.State, batches: list[Mapping[str, np.ndarray]]
+               ) -> dict[str, float]:
+    """Token-weighted means of the eval metrics over `batches` (host rows)."""
+    totals: dict[str, float] = {}
+    weight = 0.0
+    for batch in batches:
+      metrics = jax.device_get(self.eval_step(params, self.eval_batch(batch)))
+      n = float(metrics['num_tokens'])
+      weight += n
+      for k, v in metrics.items():
+        if k != 'num_tokens':
+          totals[k] = totals.get(k, 0.0) + float(v) * n
+    return {k: v / max(weight, 1.0) for k, v in totals.items()}

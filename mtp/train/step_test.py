@@ -1,0 +1,55 @@
+"""The jitted steps: one compilation each across steps and batches, and an explicit batch type."""
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from mtp.train import step as step_lib
+from mtp.train import trainer_test
+
+
+class _CountingTrainer(step_lib.Trainer):
+  """Fails on a second trace of either step (each trace is a compilation)."""
+
+  @chex.assert_max_traces(n=1)
+  def _train_step(self, state, batch):
+    return super()._train_step(state, batch)
+
+  @chex.assert_max_traces(n=1)
+  def _eval_step(self, params, batch):
+    return super()._eval_step(params, batch)
+
+
+def test_train_and_eval_steps_compile_once_across_steps_and_batches():
+  chex.clear_trace_counter()
+  config = trainer_test._config(**{'model.mtp_head_type': 'parallel', 'model.vocab_size': 32})
+  trainer = _CountingTrainer(config, trainer_test._single_device_mesh())
+  state = trainer.init_state()
+  abstract = jax.eval_shape(lambda s: s, state)
+  for seed in range(4):
+    batch = trainer.train_batch(trainer_test._counting_batch(8, 32, 32, seed))
+    chex.assert_shape([batch.tokens, batch.positions, batch.segment_ids], (8, 32))
+    assert batch.targets is None and batch.trunk_hidden is None and batch.head_mask is None
+    state, metrics = trainer.train_step(state, batch)
+    chex.assert_tree_all_finite(metrics)
+  # Donated and updated, the state keeps its tree, shapes and dtypes (no retrace from there).
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, abstract)
+  for _ in range(2):
+    trainer.evaluate(state.params, [trainer_test._counting_batch(8, 32, 32, s)
+                                    for s in (100, 101, 102)])
+  assert trainer.train_step._cache_size() == 1 and trainer.eval_step._cache_size() == 1
+
+
+def test_a_batch_holds_exactly_the_configured_fields():
+  arrays = trainer_test._counting_batch(8, 16, 32, 0)
+  arrays['targets'] = arrays['tokens']
+  mesh = trainer_test._single_device_mesh()
+  plain = step_lib.Batch.from_arrays(arrays, (), mesh)
+  assert plain.targets is None  # A key the run does not use is not read.
+  distilled = step_lib.Batch.from_arrays(arrays, ('targets',), mesh)
+  np.testing.assert_array_equal(distilled.targets, arrays['tokens'])
+  # The two variants are different trees, so each compiles its own step, by design.
+  assert jax.tree.structure(plain) != jax.tree.structure(distilled)
+  with pytest.raises(KeyError, match='trunk_hidden'):
+    step_lib.Batch.from_arrays(arrays, ('trunk_hidden',), mesh)
