@@ -203,7 +203,7 @@ def test_heads_on_a_pretrained_trunk_keep_it_frozen(trained_workdir, tmp_path):
   source, tuned = mtp.load(trained_workdir), mtp.load(tmp_path)
   jax.tree.map(np.testing.assert_array_equal, nnx.state(source.model.trunk),
                nnx.state(tuned.model.trunk))
-  assert tuned.model.num_heads == 2
+  assert tuned.model.mtp_num_heads == 2
   assert (tmp_path / 'tokenizer.json').read_text() == (trained_workdir /
                                                        'tokenizer.json').read_text()
 
@@ -245,4 +245,4 @@ def test_heads_on_a_frozen_trunk_are_saved_alone_and_resume_exactly(trained_work
   loaded, source = mtp.load(tmp_path / 'resumed'), mtp.load(trained_workdir)
   jax.tree.map(np.testing.assert_array_equal, nnx.state(loaded.model.trunk),
                nnx.state(source.model.trunk))
-  assert loaded.model.num_heads == config.model.mtp_num_heads
+  assert loaded.model.mtp_num_heads == config.model.mtp_num_heads
