@@ -17,7 +17,6 @@ distribution of the token that follows it. Position 0 / node 0 is the last accep
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 import jax
@@ -27,27 +26,6 @@ import numpy as np
 from mtp.decode import trees as trees_lib
 
 _NEG_INF = -jnp.inf
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """Static sampling settings (hashable: usable as a jit static argument).
-
-  temperature: 0 = greedy (argmax), else logits / temperature.
-  top_k: keep the k most likely tokens (0 = off).
-  top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0 = off).
-  """
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  @property
-  def greedy(self) -> bool:
-    return self.temperature == 0
-
-  def validate(self, vocab_size: int | None = None) -> 'SamplingParams':
-    validate_sampling(self.temperature, self.top_k, self.top_p, vocab_size)
-    return self
 
 
 def validate_sampling(temperature, top_k, top_p, vocab_size: int | None = None) -> None:

@@ -108,8 +108,6 @@ def test_validate_sampling():
   with pytest.raises(ValueError, match='top_k.*2.5'):
     sampling.validate_sampling(1.0, 2.5, 1.0, 10)
   with pytest.raises(ValueError, match='top_k'):
-    sampling.SamplingParams(top_k=11).validate(10)
-  with pytest.raises(ValueError, match='top_k'):
     sampling.shape_logits(jnp.zeros((2, 4)), 1.0, top_k=5)
 
 
@@ -133,7 +131,6 @@ def test_shape_logits_temperature_and_greedy():
   np.testing.assert_array_equal(greedy, [[0, 1, 0, 0], [1, 0, 0, 0]])
   shaped = jax.jit(sampling.shape_logits, static_argnums=1)(logits, 0.0)
   assert np.all(np.isfinite(shaped) == (greedy > 0))
-  assert sampling.SamplingParams(temperature=0.0).greedy
   with pytest.raises(TypeError, match='static'):
     jax.jit(lambda t: sampling.shape_logits(logits, t))(1.0)
 

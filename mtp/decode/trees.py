@@ -85,20 +85,6 @@ class Tree:
     return max((len(p) for p in self.choices), default=0)
 
   @property
-  def paths(self) -> np.ndarray:
-    """Alias of `leaf_paths`: [num_leaves, max_depth + 1], root first, padded with -1."""
-    return self.leaf_paths
-
-  @property
-  def num_leaves(self) -> int:
-    return int(self.leaf_paths.shape[0])
-
-  @property
-  def positions(self) -> np.ndarray:
-    """[N] position offsets of the nodes relative to the root (= depth)."""
-    return self.depth
-
-  @property
   def is_chain(self) -> bool:
     return not self.lookup_depth and all(p == (0,) * len(p) for p in self.choices)
 

@@ -34,7 +34,6 @@ def test_example_tree_structure():
       t.children, [[1, 2], [3, 4], [5, -1], [6, -1], [-1, -1], [-1, -1], [-1, -1]])
   np.testing.assert_array_equal(t.num_children, [2, 2, 1, 1, 0, 0, 0])
   np.testing.assert_array_equal(t.leaf_paths, [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]])
-  np.testing.assert_array_equal(t.paths, t.leaf_paths)
   np.testing.assert_array_equal(t.node_paths[6], [0, 1, 3, 6])
   np.testing.assert_array_equal(t.node_paths[2], [0, 2, -1, -1])
   np.testing.assert_array_equal(t.attention_mask, _brute_mask(t.parent))

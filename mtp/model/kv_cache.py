@@ -54,14 +54,6 @@ def write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.A
   return jax.vmap(write_one)(buffer, block, offsets)
 
 
-def read_rows(buffer: jax.Array, offsets: jax.Array, length: int) -> jax.Array:
-  """Reads [B, length, ...] from buffer [B, S, ...] starting at slot offsets[b] of each row."""
-  def read_one(row, offset):
-    start = (offset,) + (0,) * (row.ndim - 1)
-    return jax.lax.dynamic_slice(row, start, (length,) + row.shape[1:])
-  return jax.vmap(read_one)(buffer, offsets)
-
-
 def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
   """Moves the accepted path of a verified block to contiguous slots.
 
