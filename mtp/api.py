@@ -17,8 +17,9 @@ from flax import nnx
 
 from mtp.checkpoint import checkpointing
 from mtp.data import tokenizer as tokenizer_lib
-from mtp.decode import autoregressive
-from mtp.decode import speculative
+from mtp.decode import decoders
+from mtp.decode import driver
+from mtp.decode import request as request_lib
 from mtp.decode import state as state_lib
 from mtp.decode import streaming
 from mtp.decode import trees as trees_lib
@@ -64,7 +65,7 @@ def load(workdir: str | os.PathLike, step: int | None = None,
 # Generation.
 # ------------------------------------------------------------------------------------------
 
-DECODERS = streaming.DECODERS
+DECODERS = decoders.NAMES
 TREES = ('chain', 'default', 'auto')
 _PROMPT_WIDTH_MULTIPLE = 32  # Nearby prompt lengths share a compiled decoder.
 _ACCURACIES_FILE = 'head_accuracies.json'
@@ -107,7 +108,7 @@ TextCallback = Callable[[int, str, bool], None]
 
 
 def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | Sequence[str],
-             *, max_new_tokens: int, decoder: str = 'speculative', temperature: float = 0.0,
+             *, max_new_tokens: int, decoder: str = decoders.DEFAULT, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              tree: str | Sequence[Sequence[int]] | trees_lib.Tree | None = None,
              lookup: int = 0, batch_size: int | None = None, on_text: TextCallback | None = None,
@@ -125,8 +126,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     loaded_or_workdir: `mtp.load(...)`'s result, or a workdir to load.
     prompts: one prompt or a list.
     max_new_tokens: tokens to generate per prompt at most (EOS stops earlier).
-    decoder: 'speculative' (the model's heads draft, its trunk verifies; same output
-      distribution) or 'autoregressive'.
+    decoder: a name in `decoders.NAMES`: 'speculative' (the model's heads draft, its trunk
+      verifies; same output distribution) or 'autoregressive'.
     temperature: 0 = greedy; else sampling from softmax(logits / temperature).
     top_k: keep the k most likely tokens (0 = all).
     top_p: nucleus mass in (0, 1] (1 = all).
@@ -156,49 +157,26 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   loaded = loaded_or_workdir
   if not isinstance(loaded, LoadedModel):
     loaded = load(loaded_or_workdir)
-  texts = [prompts] if isinstance(prompts, str) else list(prompts)
-  if not texts:
-    raise ValueError('prompts is empty: give at least one prompt')
-  for i, text in enumerate(texts):
-    if not isinstance(text, str):
-      raise ValueError(f'prompt {i} is not a string: {type(text).__name__}')
-    if not text:
-      raise ValueError(f'prompt {i} is empty: every prompt needs at least one token')
-  if decoder not in DECODERS:
-    raise ValueError(f'decoder must be one of {DECODERS}, got {decoder!r}')
-  if batch_size is None:
-    batch_size = len(texts)
-  if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-    raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
-  batch_size = min(int(batch_size), len(texts))
+  texts = _checked_texts(prompts)
+  spec = decoders.get(decoder)
+  batch_size = _checked_batch_size(batch_size, len(texts))
+  steps_per_chunk = request_lib.steps_per_chunk(steps_per_chunk, decoder)
 
   model, tokenizer = loaded.model, loaded.tokenizer
-  encoded = tokenizer.encode_batch(texts)
-  padded, lengths = state_lib.pad_prompts(encoded, tokenizer.pad_id,
+  padded, lengths = state_lib.pad_prompts(tokenizer.encode_batch(texts), tokenizer.pad_id,
                                           multiple=_PROMPT_WIDTH_MULTIPLE)
-  # The core's checks over the whole request at once, so a row index is the prompt's index.
+  # The whole request at once, so a row index is the prompt's index.
   cfg = model.cfg.trunk
-  try:
-    state_lib.check_request(padded, lengths, max_new_tokens=max_new_tokens,
-                            vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
-                            temperature=temperature, top_k=top_k, top_p=top_p,
-                            eos_id=tokenizer.eos_id)
-  except ValueError as e:
-    longest = int(np.argmax(lengths))
-    raise ValueError(f'{e} (prompt {longest} is the longest, {int(lengths[longest])} tokens)'
-                     if 'max_seq_len' in str(e) else str(e)) from None
-  options = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=temperature,
-                 top_k=top_k, top_p=top_p)
-  if isinstance(lookup, bool) or int(lookup) != lookup or lookup < 0:
-    raise ValueError(f'lookup must be a non-negative integer, got {lookup!r}')
-  if decoder == 'speculative':
-    options['tree'] = speculative.resolve_tree(model, _tree(loaded, tree, batch_size),
-                                               int(lookup))
-  elif tree is not None or lookup:
-    raise ValueError('tree and lookup apply to the speculative decoder only')
+  padded, lengths = request_lib.check_prompts(
+      padded, lengths, max_new_tokens=max_new_tokens, vocab_size=cfg.vocab_size,
+      max_seq_len=cfg.max_seq_len, eos_id=tokenizer.eos_id)
+  request = request_lib.make_request(
+      model.cfg, padded.shape[1], max_new_tokens=max_new_tokens, decoder=decoder,
+      tree=_tree(loaded, tree, batch_size) if spec.drafts else tree, lookup=lookup,
+      temperature=temperature, top_k=top_k, top_p=top_p)
+  special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
 
   prepared = state_lib.prepare(model)
-  module = speculative if decoder == 'speculative' else autoregressive
   batches = []
   for first in range(0, len(texts), batch_size):
     rows = list(range(first, min(first + batch_size, len(texts))))
@@ -206,8 +184,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     batches.append((rows, padded[fill], lengths[fill]))
 
   # Compile and warm up: the prefill and one loop step (the step count is not compiled in).
-  warm = module.generate_chunks(prepared, batches[0][1], batches[0][2],
-                                max_new_tokens=max_new_tokens, steps_per_chunk=1, **options)
+  warm = driver.decode_chunks(prepared, batches[0][1], batches[0][2], request,
+                              steps_per_chunk=1, **special)
   for _ in itertools.islice(warm, 2):
     pass
   warm.close()
@@ -218,43 +196,69 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     rng = jax.random.fold_in(root_key, index)
     start = time.perf_counter()
     if on_text is None:
-      out = jax.device_get(module.generate(prepared, tokens, row_lengths,
-                                           max_new_tokens=max_new_tokens, rng=rng, **options))
+      out = jax.device_get(driver.decode(prepared, tokens, row_lengths, request, rng=rng,
+                                         **special))
     else:
-      for update in streaming.stream(prepared, tokenizer, tokens, row_lengths, decoder=decoder,
-                                     max_new_tokens=max_new_tokens, rng=rng,
-                                     steps_per_chunk=steps_per_chunk, **options):
+      chunks = driver.decode_chunks(prepared, tokens, row_lengths, request,
+                                    steps_per_chunk=steps_per_chunk, rng=rng, **special)
+      for update in streaming.text_updates(chunks, tokenizer, max_new_tokens=max_new_tokens,
+                                           eos_id=tokenizer.eos_id):
         for row, prompt_index in enumerate(rows):
           if update.text[row] or (update.done[row] and len(update.new_tokens[row])):
             on_text(prompt_index, update.text[row], bool(update.done[row]))
         out = update.result
     seconds = time.perf_counter() - start
-    mean_accepted = np.asarray(out.mean_accepted)
-    for row, prompt_index in enumerate(rows):
-      n = int(out.num_generated[row])
-      generated = [int(t) for t in out.tokens[row, :n]]
-      results.append(Generation(
-          prompt=texts[prompt_index], completion=tokenizer.decode(generated), tokens=generated,
-          num_prompt_tokens=int(row_lengths[row]), num_steps=int(out.num_steps[row]),
-          mean_accepted=float(mean_accepted[row]),
-          accepted_histogram=[int(c) for c in out.accepted_histogram[row]],
-          tokens_per_sec=n / seconds, seconds=seconds,
-          finish_reason='eos' if generated and generated[-1] == tokenizer.eos_id else 'length'))
+    results += [_generation(out, row, texts[prompt_index], int(row_lengths[row]), tokenizer,
+                            seconds) for row, prompt_index in enumerate(rows)]
   return results
 
 
+def _generation(out: state_lib.DecodeResult, row: int, prompt: str, num_prompt_tokens: int,
+                tokenizer: tokenizer_lib.Tokenizer, seconds: float) -> Generation:
+  """Row `row` of a batch's (host) result, timed over the batch's `seconds`."""
+  n = int(out.num_generated[row])
+  generated = [int(t) for t in out.tokens[row, :n]]
+  return Generation(
+      prompt=prompt, completion=tokenizer.decode(generated), tokens=generated,
+      num_prompt_tokens=num_prompt_tokens, num_steps=int(out.num_steps[row]),
+      mean_accepted=float(np.asarray(out.mean_accepted)[row]),
+      accepted_histogram=[int(c) for c in out.accepted_histogram[row]],
+      tokens_per_sec=n / seconds, seconds=seconds,
+      finish_reason='eos' if generated and generated[-1] == tokenizer.eos_id else 'length')
+
+
+def _checked_texts(prompts) -> list[str]:
+  texts = [prompts] if isinstance(prompts, str) else list(prompts)
+  if not texts:
+    raise ValueError('prompts is empty: give at least one prompt')
+  for i, text in enumerate(texts):
+    if not isinstance(text, str):
+      raise ValueError(f'prompt {i} is not a string: {type(text).__name__}')
+    if not text:
+      raise ValueError(f'prompt {i} is empty: every prompt needs at least one token')
+  return texts
+
+
+def _checked_batch_size(batch_size, num_prompts: int) -> int:
+  if batch_size is None:
+    return num_prompts
+  if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+    raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
+  return min(int(batch_size), num_prompts)
+
+
 def _tree(loaded: LoadedModel, tree, batch_size: int):
-  """A user's tree choice as something `speculative.resolve_tree` accepts."""
+  """A user's tree choice as something `request.make_request` accepts."""
   model = loaded.model
   if isinstance(tree, str):
     if tree not in TREES:
       raise ValueError(f'tree must be one of {TREES}, Medusa-style choices or None, got {tree!r}')
-    if model.num_heads == 0:
-      return None  # resolve_tree names the real problem: no heads.
+    if model.cfg.mtp_num_heads == 0:
+      return None  # make_request names the real problem: no heads.
     if tree == 'chain':
       return None
     if tree == 'default':
-      return trees_lib.medusa_default_tree(model.num_heads)
+      return trees_lib.medusa_default_tree(model.cfg.mtp_num_heads)
     from mtp.decode import cost_model  # Only 'auto' needs the cost curve.
     return cost_model.choose_tree(model, head_accuracies(loaded),
                                   cost=cost_model.step_cost(model, batch_size=batch_size))

@@ -374,15 +374,11 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
 
   steps_per_chunk: loop steps per host round trip (None: the decoder's default).
   """
-  if steps_per_chunk is None:
-    steps_per_chunk = decoders.get(decoder).steps_per_chunk
-  if isinstance(steps_per_chunk, bool) or int(steps_per_chunk) != steps_per_chunk or (
-      steps_per_chunk < 1):
-    raise ValueError(f'steps_per_chunk must be a positive integer, got {steps_per_chunk!r}')
+  steps_per_chunk = request_lib.steps_per_chunk(steps_per_chunk, decoder)
   prompts, prompt_lengths, request = _checked(model, prompts, prompt_lengths, max_new_tokens,
                                               decoder, eos_id, hook_data, options)
   return decode_chunks(model, prompts, prompt_lengths, request,
-                       steps_per_chunk=int(steps_per_chunk), rng=rng, eos_id=eos_id,
+                       steps_per_chunk=steps_per_chunk, rng=rng, eos_id=eos_id,
                        pad_id=pad_id, hook_data=hook_data)
 
 

@@ -204,6 +204,14 @@ def check_prompts(prompts, prompt_lengths, *, max_new_tokens: int, vocab_size: i
   return tokens.astype(np.int32), lengths
 
 
+def steps_per_chunk(value: int | None, decoder: str) -> int:
+  """Loop steps per host round trip when streaming: `value`, or the decoder's default."""
+  if value is None:
+    return decoders.get(decoder).steps_per_chunk
+  _check_positive_int('steps_per_chunk', value)
+  return int(value)
+
+
 def _check_positive_int(name: str, value) -> None:
   if (isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value
       or value < 1):

@@ -1,11 +1,11 @@
-"""What both decoders share: request checks, prompt layout, the result, and token bookkeeping.
+"""The decode loop's parts: prompt layout, the prepared model, the result, token bookkeeping.
 
 Prompts are right-padded [B, P] with per-row lengths [B]. Every row keeps its own committed
 cache length, and cache slot s of a row always holds that row's position s, so a row's next
 token sits at position == slot == its committed length.
 
-Everything that runs inside the decode loop here is a pure jnp function; the checks run on the
-host before anything is traced, so bad input fails fast with a message naming it.
+Everything that runs inside the decode loop here is a pure jnp function. Requests are checked
+before they get here (`request.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp.decode import sampling as sampling_lib
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.parallel import mesh as mesh_lib
 
@@ -90,7 +89,7 @@ class PreparedModel:
     self.leaves = leaves
 
   @property
-  def num_heads(self) -> int:
+  def mtp_num_heads(self) -> int:
     return self.cfg.mtp_num_heads
 
 
@@ -109,13 +108,11 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0,
   """Right-pads token lists into ([B, P] int32, lengths [B] int32).
 
   Args:
-    prompts: one list of token ids per row.
+    prompts: one list of token ids per row (at least one row).
     pad_id: filler after each row's end (never attended to).
     multiple: P is rounded up to a multiple of this, so nearby prompt lengths share a compiled
       decoder.
   """
-  if not len(prompts):
-    raise ValueError('prompts is empty: give at least one prompt')
   lengths = np.array([len(p) for p in prompts], np.int32)
   width = max(1, int(lengths.max()))
   width = -(-width // multiple) * multiple
@@ -123,80 +120,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0,
   for row, prompt in enumerate(prompts):
     tokens[row, :len(prompt)] = np.asarray(prompt, np.int32)
   return tokens, lengths
-
-
-def check_request(prompts, prompt_lengths, *, max_new_tokens: int, vocab_size: int,
-                  max_seq_len: int, temperature: float, top_k: int, top_p: float,
-                  eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
-  """Validates a decode request on the host, before anything is compiled.
-
-  Args:
-    prompts: [B, P] token ids, right-padded.
-    prompt_lengths: [B] valid tokens per row, or None for all P.
-    max_new_tokens, vocab_size, max_seq_len: the budget and the model's limits.
-    temperature, top_k, top_p: sampling settings (see `sampling.validate_sampling`).
-    eos_id: end-of-sequence id or None.
-
-  Returns:
-    (prompts [B, P] int32, prompt_lengths [B] int32) as numpy arrays.
-
-  Raises:
-    ValueError naming the bad input.
-  """
-  tokens = np.asarray(prompts)
-  if tokens.ndim != 2:
-    raise ValueError(f'prompts must be [batch, length] token ids, got shape {tokens.shape}')
-  if tokens.shape[0] == 0:
-    raise ValueError('prompts is empty: give at least one prompt')
-  if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f'prompts must hold integer token ids, got dtype {tokens.dtype}')
-  if prompt_lengths is None:
-    lengths = np.full(tokens.shape[0], tokens.shape[1], np.int32)
-  else:
-    lengths = np.asarray(prompt_lengths).astype(np.int32).reshape(-1)
-    if lengths.shape[0] != tokens.shape[0]:
-      raise ValueError(f'prompt_lengths has {lengths.shape[0]} entries for '
-                       f'{tokens.shape[0]} prompts')
-  if np.any(lengths <= 0):
-    raise ValueError(f'empty prompt in row {int(np.argmax(lengths <= 0))}: every prompt needs '
-                     'at least one token')
-  if np.any(lengths > tokens.shape[1]):
-    raise ValueError(f'prompt_lengths {lengths.tolist()} exceed the prompt width '
-                     f'{tokens.shape[1]}')
-  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
-  bad = valid & ((tokens < 0) | (tokens >= vocab_size))
-  if np.any(bad):
-    row, col = (int(i[0]) for i in np.nonzero(bad))
-    raise ValueError(f'token id {int(tokens[row, col])} at prompt row {row}, position {col} is '
-                     f'outside the vocabulary [0, {vocab_size})')
-  if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or (
-      max_new_tokens < 1):
-    raise ValueError(f'max_new_tokens must be a positive integer, got {max_new_tokens!r}')
-  longest = int(lengths.max())
-  if longest + max_new_tokens > max_seq_len:
-    raise ValueError(f'prompt length {longest} + max_new_tokens {max_new_tokens} = '
-                     f'{longest + max_new_tokens} exceeds the model position limit '
-                     f'max_seq_len={max_seq_len}')
-  if eos_id is not None and not 0 <= eos_id < vocab_size:
-    raise ValueError(f'eos_id {eos_id} is outside the vocabulary [0, {vocab_size})')
-  sampling_lib.validate_sampling(temperature, top_k, top_p, vocab_size)
-  return tokens.astype(np.int32), lengths
-
-
-def cache_capacity(prompt_width: int, max_new_tokens: int, block_size: int,
-                   requested: int | None) -> int:
-  """Slots a decode needs: the padded prompt, every new token, and one verification block.
-
-  Raises ValueError when a requested capacity is too small (a write past the end would be
-  clamped onto committed slots, silently corrupting the cache).
-  """
-  needed = prompt_width + max_new_tokens + block_size
-  if requested is None:
-    return needed
-  if requested < needed:
-    raise ValueError(f'cache_capacity {requested} is too small: prompt width {prompt_width} + '
-                     f'max_new_tokens {max_new_tokens} + block {block_size} = {needed} slots')
-  return int(requested)
 
 
 def as_key(rng) -> Array:
