@@ -1,6 +1,6 @@
 """Measured head accuracies for building candidate trees, and code prompts to measure them on.
 
-`trees.tree_from_accuracies` and `cost_model.choose_tree` need, for heads d = 1..D and ranks
+`trees.tree_from_accuracies` and `cost_model.choose_tree` need, for heads d = 1..depth and ranks
 r = 0..R-1, the probability that head d's rank-r candidate is accepted given that the drafts
 before it on the path were. Under greedy decoding a draft is accepted when it equals the trunk's
 own greedy token, so the faithful place to count is the trunk's own greedy continuation:
@@ -49,7 +49,7 @@ def head_accuracies(model, tokens, starts, ends, top_k: int = 4) -> np.ndarray:
     top_k: R, candidates per head.
 
   Returns:
-    [D, R] float64: entry [d, r] = P(rank-r candidate of head d + 1 is right | heads 1..d had
+    [depth, R] float64: entry [d, r] = P(rank-r candidate of head d + 1 is right | heads 1..d had
     their top-1 right). Rows with nothing to count are 0.
   """
   if model.mtp_num_heads == 0:
@@ -76,7 +76,7 @@ def head_accuracies(model, tokens, starts, ends, top_k: int = 4) -> np.ndarray:
 
 def calibrate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
               top_k: int = 4, eos_id: int | None = None, pad_id: int = 0) -> np.ndarray:
-  """[D, R] accuracies of the heads on the trunk's greedy continuations of `prompts`.
+  """[depth, R] accuracies of the heads on the trunk's greedy continuations of `prompts`.
 
   Args:
     model: an `MTPModel` with heads.

@@ -172,7 +172,7 @@ def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = No
 
   Args:
     model: an `MTPModel` with heads.
-    accuracies: [D, R] measured top-k accuracies of heads 1..D (entry [d, r]: the rank-r
+    accuracies: [depth, R] measured top-k accuracies of heads 1..depth (entry [d, r]: the rank-r
       candidate of head d + 1 is right, given the earlier drafts were); rows past the model's
       heads are dropped. None: no measurements, so a chain of every head's top-1.
     cost: relative cost curve {T: cost(T) / cost(1)}; None: `step_cost(model)` (measured

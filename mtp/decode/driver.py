@@ -51,17 +51,17 @@ DecodeRequest = request_lib.DecodeRequest
 
 @flax.struct.dataclass
 class LoopState:
-  """The decode loop's carry (D = tree depth, N = tree nodes).
+  """The decode loop's carry (N = tree nodes, root included; depth = the tree's depth).
 
   Attributes:
-    tokens: [B, max_new_tokens + D + 1] output buffer (spare columns: writes never clamp).
+    tokens: [B, max_new_tokens + depth + 1] output buffer (spare columns: writes never clamp).
     num_generated: [B] tokens in the buffer.
     done: [B] rows that stopped; they no longer change.
     last_token: [B] the newest token (the next block's root), not yet in the cache.
     drafts: [B, N - 1] the next block's drafted nodes, in tree node order (root excluded).
     lengths: [B] committed cache slots (= position of last_token).
     num_steps: [B] verification passes that worked on the row.
-    histogram: [B, D + 2] steps per number of tokens emitted.
+    histogram: [B, depth + 2] steps per number of tokens emitted.
     cache: the KV cache.
     rng: PRNG key.
     eos_id: [] int32 end-of-sequence id, -1 for none (traced: changing it does not recompile).
@@ -91,7 +91,7 @@ class LoopState:
 
 def _drafts(tree: trees_lib.Tree, logits: Array | None, context: Array,
             lengths: Array) -> Array:
-  """Head logits [D, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
+  """Head logits [depth, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
 
   N - 1 drafts in tree order, root excluded; `context` and `lengths` (the position of the newest
   token) feed the lookup chain, if the tree has one. A root-only tree drafts nothing.
@@ -100,7 +100,7 @@ def _drafts(tree: trees_lib.Tree, logits: Array | None, context: Array,
     return jnp.zeros((context.shape[0], 0), jnp.int32)
   if tree.is_chain:
     return jnp.argmax(logits, axis=-1).T.astype(jnp.int32)
-  top = jax.lax.top_k(logits, max(tree.topk_per_depth))[1]  # [D, B, R]
+  top = jax.lax.top_k(logits, max(tree.topk_per_depth))[1]  # [depth, B, R]
   copies = None
   if tree.lookup_depth:
     copies = lookup_lib.propose(context, lengths, tree.lookup_depth)
@@ -182,7 +182,7 @@ def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Arr
 
   Returns:
     nodes: [B, N] the block's tokens; out: the step's StepOutput over the block; cache: with
-    the block written; path: [B, D + 1] accepted node indices root first, padded with the last
+    the block written; path: [B, depth + 1] accepted node indices root first, padded with the last
     accepted node; num_accepted: [B] accepted drafts; next_token: [B] the trunk's own token.
   """
   tree = request.tree
@@ -237,7 +237,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     if request.draft_hook is not None:
       drafts = request.draft_hook(drafts, s.num_generated, hook_data).astype(jnp.int32)
     nodes, out, cache, path, num_accepted, next_token = _verify(model, s, drafts, request, key)
-    path_tokens = jnp.take_along_axis(nodes, path, axis=1)  # [B, D + 1], root first.
+    path_tokens = jnp.take_along_axis(nodes, path, axis=1)  # [B, depth + 1], root first.
     # Emitted in order: the accepted drafts, then the trunk's own token.
     shifted = jnp.concatenate([path_tokens[:, 1:], next_token[:, None]], axis=1)
     emitted = jnp.where(columns < num_accepted[:, None], shifted, next_token[:, None])

@@ -284,8 +284,8 @@ def greedy_accept_tree(
     target_logits: [B, N, V]; target_logits[:, n] predicts the child of node n.
 
   Returns:
-    accepted_path_nodes: [B, D + 1] int32 node indices root first, padded with -1 after the
-      last accepted node (D = tree.max_depth).
+    accepted_path_nodes: [B, depth + 1] int32 node indices root first, padded with -1 after
+      the last accepted node (depth = tree.max_depth).
     num_accepted: [B] int32 accepted drafts, root excluded (= depth of the last node).
     next_token: [B] int32 argmax at the last accepted node.
   """
@@ -332,7 +332,7 @@ def rejection_accept_tree(
       from (siblings drawn independently); None means deterministic one-hot drafts (top-k).
 
   Returns:
-    accepted_path_nodes: [B, D + 1] int32 root first, padded with -1.
+    accepted_path_nodes: [B, depth + 1] int32 root first, padded with -1.
     num_accepted: [B] int32 accepted drafts, root excluded.
     next_token: [B] int32.
   """

@@ -38,11 +38,11 @@ class Tree:
     node_paths: [N, max_depth + 1] int32, root-first path to each node, padded with -1.
     leaf_paths: [num_leaves, max_depth + 1] int32, root-first path to each leaf (in node
       order of the leaves), padded with -1.
-    max_depth: D, the number of heads the tree needs.
+    max_depth: the tree's depth (with a lookup chain, possibly more than its heads).
     max_children: largest number of children of a node (at least 1, for array shapes).
-    level_width: [D] tuple, largest number of children of a node at depth d (d = 0..D-1).
-    topk_per_depth: [D] tuple, how many top candidates head d + 1 must provide.
-    lookup_depth: L, nodes of a prompt-lookup chain hung below the root after the heads' nodes
+    level_width: [max_depth] tuple, largest number of children of a node at depth d.
+    topk_per_depth: [max_depth] tuple, how many top candidates head d + 1 must provide.
+    lookup_depth: nodes of a prompt-lookup chain hung below the root after the heads' nodes
       (`with_lookup`); 0 for a tree of head drafts only.
   """
   choices: tuple[Path, ...]
@@ -265,7 +265,7 @@ def tree_from_accuracies(accuracies, num_nodes: int) -> Tree:
   scores more than its parent and ties go to shorter, then lexicographically smaller, paths.
 
   Args:
-    accuracies: [D, R], accuracies[d, r] = P(rank-r candidate of head d + 1 is the next token).
+    accuracies: [depth, R], accuracies[d, r] = P(rank-r candidate of head d + 1 is the next token).
     num_nodes: N, root included; must be between 1 and the number of possible nodes.
 
   Returns:
@@ -315,7 +315,7 @@ def choose_tree_size(accuracies,
   """Picks num_nodes maximising (1 + expected accepted drafts) / cost(num_nodes).
 
   Args:
-    accuracies: [D, R] per-head top-k accuracies, as for `tree_from_accuracies`.
+    accuracies: [depth, R] per-head top-k accuracies, as for `tree_from_accuracies`.
     cost_per_num_tokens: cost of a verification forward over T tokens relative to T = 1, as a
       callable or a dict {T: cost}; a dict is interpolated linearly between its keys (it must
       cover every candidate).
@@ -357,8 +357,8 @@ def draft_tokens_for_tree(tree: Tree, head_topk_tokens: jnp.ndarray,
 
   Args:
     tree: the candidate tree.
-    head_topk_tokens: [B, D', R] int, head_topk_tokens[:, d, r] = rank-r candidate of head
-      d + 1; needs D' >= tree.head_depth and R >= the tree's largest rank + 1.
+    head_topk_tokens: [B, depth, R] int, head_topk_tokens[:, d, r] = rank-r candidate of head
+      d + 1; needs depth >= tree.head_depth and R >= the tree's largest rank + 1.
     root_token: optional [B] last accepted token for node 0 (zeros otherwise: the caller fills
       it).
     lookup_tokens: [B, L] the lookup chain's drafts, root side first; needed iff the tree has

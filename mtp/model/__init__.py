@@ -10,10 +10,12 @@ Shape letters, used in the docstrings of this package (and of `mtp.decode`):
   F  feed-forward width (`mlp_dim`)
   V  vocabulary
   L  trunk layers
-  N  attention (query) heads per layer (`num_attention_heads`)
+  Q  attention (query) heads per layer (`num_attention_heads`)
   G  key/value heads per layer (`num_kv_heads`, grouped-query attention)
   H  width of one attention head (`head_dim`)
   K  multi-token prediction heads (`mtp_num_heads`); head k predicts token t+1+k
   P  tokens on an accepted path (root first)
+  N  nodes of a candidate tree, root included (the T of a verification step)
+  R  top-k ranks drafted per head
 A tree's or chain's depth is spelled out as `depth` (heads read, 1..K), never a letter.
 """

@@ -84,7 +84,7 @@ def rotary_embedding(x: Array, positions: Array, theta: float) -> Array:
   """Rotates pairs of features by position-dependent angles (RoPE, half-split layout).
 
   Args:
-    x: [B, T, N, H] queries or [B, T, G, H] keys.
+    x: [B, T, Q, H] queries or [B, T, G, H] keys.
     positions: [B, T] integer positions.
   """
   half = x.shape[-1] // 2
