@@ -116,9 +116,6 @@ class Trainer:
   def abstract_state_with_shardings(self) -> TrainState:
     return checkpointing.abstract_with_shardings(self.abstract_state, self.state_shardings)
 
-  def model(self, params: nnx.State) -> mtp_model.MTPModel:
-    return nnx.merge(self.graphdef, params)
-
   def train_batch(self, arrays: Mapping[str, np.ndarray]) -> Batch:
     """A host batch (numpy rows from the pipeline) as the train step reads it."""
     return Batch.from_arrays(arrays, self.train_fields, self.mesh)
