@@ -28,6 +28,8 @@ from flax import nnx
 
 from mtp.checkpoint import param_tree
 from mtp.data import pipeline
+from mtp.model import heads as heads_lib
+from mtp.model import mtp_model
 
 CONFIG_FILENAME = 'config.json'
 CHECKPOINT_DIRNAME = 'checkpoints'
@@ -64,8 +66,7 @@ def load_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
     values = json.loads(path.read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f'{path} is not valid JSON ({e}).') from e
-  upgrade = _legacy_upgrade('mtp.model.mtp_model', 'upgrade_legacy_config')
-  return ml_collections.ConfigDict(upgrade(values) if upgrade else values)
+  return ml_collections.ConfigDict(mtp_model.upgrade_legacy_config(values))
 
 
 def write_base_reference(workdir: str | os.PathLike, base: str | os.PathLike) -> None:
@@ -272,18 +273,16 @@ class _SavedTree:
 
 def _legacy_sources(directory: pathlib.Path, saved: dict, wanted: dict) -> dict:
   """{target path: saved path} for a tree saved under the heads' legacy parameter names."""
-  upgrade = _legacy_upgrade('mtp.model.heads', 'upgrade_legacy_tree')
-  renamed = {}
-  if upgrade is not None:
-    # The saved paths as leaves of a nested dict (lists too, as dicts of indices), renamed
-    # wherever a `heads` node has the old layout (in the parameters and in the optimizer state).
-    nested: dict = {}
-    for path in saved:
-      node = nested
-      for key in path[:-1]:
-        node = node.setdefault(key, {})
-      node[path[-1]] = _SavedPath(path)
-    renamed = {path: leaf.path for path, leaf in _flat(upgrade(nested)).items()}
+  # The saved paths as leaves of a nested dict (lists too, as dicts of indices), renamed
+  # wherever a `heads` node has the old layout (in the parameters and in the optimizer state).
+  nested: dict = {}
+  for path in saved:
+    node = nested
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = _SavedPath(path)
+  upgraded = _flat(heads_lib.upgrade_legacy_tree(nested))
+  renamed = {path: leaf.path for path, leaf in upgraded.items()}
   missing = [path for path in wanted if path not in renamed]
   if missing:
     raise CheckpointError(
@@ -297,13 +296,3 @@ class _SavedPath:
 
   def __init__(self, path: tuple[str, ...]):
     self.path = path
-
-
-def _legacy_upgrade(module: str, name: str):
-  """`module.name`, a function that reads what older versions saved, or None where it does not
-  exist (yet). Imported when called: the model imports nothing from here."""
-  import importlib
-  try:
-    return getattr(importlib.import_module(module), name, None)
-  except ModuleNotFoundError:
-    return None
