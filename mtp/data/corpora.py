@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 import hashlib
 import importlib.util
+import logging
 import os
 import pathlib
 import sysconfig
@@ -89,6 +90,47 @@ def split_files(paths: Sequence[pathlib.Path], valid_fraction: float,
 def read_text(path: str | pathlib.Path) -> str:
   """UTF-8 text of a file; undecodable bytes become U+FFFD."""
   return pathlib.Path(path).read_text(encoding='utf-8', errors='replace')
+
+
+class TextReader:
+  """Reads corpus files as text, skipping binary files and counting badly encoded ones.
+
+  A corpus directory may hold files that only look like text by their extension. What is done:
+  - a file with a NUL byte is binary (no text or source file holds one): skipped, since its
+    decoded bytes would only teach the model noise;
+  - a file that is not valid UTF-8 (say one Latin-1 comment in a source file) is mostly useful
+    text: kept, with each undecodable byte read as U+FFFD, as before.
+  Both are counted; `report` logs one warning with the counts and an example path of each.
+  """
+
+  def __init__(self):
+    self.binary: list[pathlib.Path] = []
+    self.undecodable: list[pathlib.Path] = []
+
+  def read(self, path: str | pathlib.Path) -> str | None:
+    """The text of `path`, or None for a binary file."""
+    path = pathlib.Path(path)
+    data = path.read_bytes()
+    if b'\0' in data:
+      self.binary.append(path)
+      return None
+    try:
+      return data.decode('utf-8')
+    except UnicodeDecodeError:
+      self.undecodable.append(path)
+      return data.decode('utf-8', errors='replace')
+
+  def report(self, what: str = 'corpus') -> None:
+    """Logs a warning if any file read so far was binary or not valid UTF-8."""
+    parts = []
+    if self.binary:
+      parts.append(f'skipped {len(self.binary)} binary file(s) (NUL bytes), e.g. '
+                   f'{self.binary[0]}')
+    if self.undecodable:
+      parts.append(f'read {len(self.undecodable)} file(s) that are not valid UTF-8 with '
+                   f'U+FFFD for the bad bytes, e.g. {self.undecodable[0]}')
+    if parts:
+      logging.warning('Reading the %s: %s.', what, '; '.join(parts))
 
 
 def corpus_root(data_config: Any) -> pathlib.Path:

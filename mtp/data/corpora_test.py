@@ -74,6 +74,27 @@ def test_read_text_tolerates_bad_bytes(tmp_path):
   assert corpora.read_text(path) == 'ok = 1\n\ufffd\ufffd bad\n'
 
 
+def test_text_reader_skips_binary_files_and_counts_bad_utf8(tmp_path, caplog):
+  good, latin, binary = tmp_path / 'good.py', tmp_path / 'latin.py', tmp_path / 'blob.py'
+  good.write_text('x = "é"\n', encoding='utf-8')
+  latin.write_bytes('# caf\xe9\n'.encode('latin-1'))
+  binary.write_bytes(b'\x7fELF\x02\x01\x00\x00abc')
+  reader = corpora.TextReader()
+  assert reader.read(good) == 'x = "é"\n'
+  assert reader.read(latin) == '# caf\ufffd\n'
+  assert reader.read(binary) is None
+  assert reader.binary == [binary] and reader.undecodable == [latin]
+  with caplog.at_level('WARNING'):
+    reader.report('train split')
+  [record] = caplog.records
+  assert 'train split' in record.message
+  assert f'1 binary file(s) (NUL bytes), e.g. {binary}' in record.message
+  assert f'1 file(s) that are not valid UTF-8' in record.message and str(latin) in record.message
+  caplog.clear()
+  corpora.TextReader().report()  # Nothing odd read: nothing to say.
+  assert not caplog.records
+
+
 def test_corpus_files_and_splits(tmp_path):
   _write(tmp_path, [f'm{i}.py' for i in range(30)] + ['skip.txt'])
   cfg = ml_collections.ConfigDict(

@@ -85,9 +85,13 @@ def pack(docs: Sequence[np.ndarray], seq_len: int, *, pad_id: int = 0,
 
 
 def split_texts(data_config: Any, split: str) -> list[str]:
-  """Texts of the files of `split` ('train' or 'valid'), capped by `max_corpus_bytes`."""
+  """Texts of the files of `split` ('train' or 'valid'), capped by `max_corpus_bytes`.
+
+  Binary files are skipped and files that are not valid UTF-8 read with U+FFFD, with a warning
+  (see `corpora.TextReader`).
+  """
   files = _split_files(data_config, split)
-  return _read_capped(files, data_config.max_corpus_bytes)
+  return _read_capped(files, data_config.max_corpus_bytes, f'{split} split')
 
 
 def _split_files(data_config: Any, split: str) -> list[pathlib.Path]:
@@ -100,28 +104,39 @@ def _split_files(data_config: Any, split: str) -> list[pathlib.Path]:
   return splits[split]
 
 
-def _read_capped(files: Sequence[pathlib.Path], max_bytes: int) -> list[str]:
+def _read_capped(files: Sequence[pathlib.Path], max_bytes: int,
+                 what: str = 'corpus') -> list[str]:
   """Texts of `files`, `max_bytes` UTF-8 bytes in all (last one cut); <= 0: every file in order.
 
   A capped read takes the files in a fixed pseudo-random order (by a hash of each path below
   their common folder), so a small cap samples the whole tree rather than its alphabetical
-  start, and the same files are chosen on every machine.
+  start, and the same files are chosen on every machine. Binary files are skipped (they use
+  none of the cap); `what` names the files in the warning about them.
   """
+  reader = corpora.TextReader()
   if max_bytes <= 0:
-    return [corpora.read_text(p) for p in files]
-  root = os.path.commonpath([str(p) for p in files]) if len(files) > 1 else ''
+    texts = [t for t in map(reader.read, files) if t is not None]
+  else:
+    root = os.path.commonpath([str(p) for p in files]) if len(files) > 1 else ''
 
-  def rank(path: pathlib.Path) -> str:
-    relative = os.path.relpath(path, root) if root else path.name
-    return hashlib.sha1(pathlib.PurePath(relative).as_posix().encode()).hexdigest()
+    def rank(path: pathlib.Path) -> str:
+      relative = os.path.relpath(path, root) if root else path.name
+      return hashlib.sha1(pathlib.PurePath(relative).as_posix().encode()).hexdigest()
 
-  texts, left = [], max_bytes
-  for path in sorted(files, key=rank):
-    data = corpora.read_text(path).encode('utf-8')
-    texts.append(data[:left].decode('utf-8', errors='ignore'))
-    left -= len(data)
-    if left <= 0:
-      break
+    texts, left = [], max_bytes
+    for path in sorted(files, key=rank):
+      text = reader.read(path)
+      if text is None:
+        continue
+      data = text.encode('utf-8')
+      texts.append(data[:left].decode('utf-8', errors='ignore'))
+      left -= len(data)
+      if left <= 0:
+        break
+  reader.report(what)
+  if files and not texts:
+    raise ValueError(f'All {len(files)} files of the {what} are binary (they hold NUL bytes), '
+                     f'e.g. {files[0]}: no text to train on.')
   return texts
 
 

@@ -1,5 +1,6 @@
 """Tests for mtp.data.pipeline."""
 
+import pathlib
 
 import ml_collections
 import numpy as np
@@ -157,6 +158,33 @@ def test_a_capped_read_picks_the_same_files_wherever_the_tree_lies(tmp_path):
     chosen.append([t.splitlines()[0] for t in texts])
   assert chosen[0] == chosen[1] and len(chosen[0]) == 5
   assert chosen[0] != [f'# file {i}' for i in range(5)]  # spread, not the first five
+
+
+@pytest.mark.parametrize('max_corpus_bytes', [-1, 10**6])
+def test_binary_files_are_skipped_and_bad_utf8_reported(corpus_config, caplog,
+                                                         max_corpus_bytes):
+  root = pathlib.Path(corpus_config.corpus)
+  corpus_config.valid_fraction = 0.0
+  corpus_config.max_corpus_bytes = max_corpus_bytes
+  clean = pipeline.split_texts(corpus_config, 'train')
+  (root / 'pkg0' / 'blob.py').write_bytes(b'\x00\x01binary\x00' * 50)
+  (root / 'pkg1' / 'latin.py').write_bytes(b'# caf\xe9\n')
+  with caplog.at_level('WARNING'):
+    texts = pipeline.split_texts(corpus_config, 'train')
+  assert sorted(texts) == sorted(clean + ['# caf\ufffd\n'])  # The binary file is left out.
+  [record] = [r for r in caplog.records if r.levelname == 'WARNING']
+  assert 'train split' in record.message and 'blob.py' in record.message
+  assert '1 binary file(s)' in record.message and 'latin.py' in record.message
+
+
+def test_a_split_of_binary_files_only_is_refused(tmp_path):
+  root = tmp_path / 'corpus'
+  root.mkdir()
+  (root / 'a.bin').write_bytes(b'\x00' * 10)
+  cfg = ml_collections.ConfigDict({'corpus': str(root), 'extensions': ('.bin',),
+                                   'valid_fraction': 0.0, 'max_corpus_bytes': -1})
+  with pytest.raises(ValueError, match=r'All 1 files of the train split are binary.*a\.bin'):
+    pipeline.split_texts(cfg, 'train')
 
 
 def test_missing_split_files(corpus_config, tmp_path):
