@@ -10,8 +10,8 @@ seq_len]):
                whose document continues from the previous row).
 
 Rows are made by concatenating all documents and cutting every `seq_len` tokens. The packed
-arrays of a split are cached as `.npz` under a cache directory, keyed by the tokenizer, the file
-list, `seq_len` and `max_corpus_bytes`.
+arrays of a split are cached as `.npz` under a cache directory, keyed by the tokenizer, the
+files' paths and contents, `seq_len` and `max_corpus_bytes`; a corrupt cache file is rebuilt.
 
 The train iterator is a grain `DatasetIterator` whose state (`get_state`/`set_state`) is the
 number of global batches produced: save it beside the train state with Orbax using
@@ -38,7 +38,7 @@ from mtp.data import tokenizer as tokenizer_lib
 
 Arrays = dict[str, np.ndarray]
 KEYS = ('tokens', 'segment_ids', 'positions')
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3  # 3: keyed by file contents; binary files skipped.
 
 
 def tokenize_documents(texts: Sequence[str],
@@ -160,13 +160,29 @@ def load_or_build_tokenizer(data_config: Any, vocab_size: int,
   return tok
 
 
+def _contents_digest(files: Sequence[pathlib.Path], root: pathlib.Path) -> str:
+  """A BLAKE2b digest of the files' paths below `root` and their bytes.
+
+  The cache must follow edits that keep a file's size (a changed constant, a fixed typo), so it
+  is keyed by contents, not sizes or mtimes; hashing the 12 MB stdlib corpus takes well under
+  0.1 s, much less than tokenizing it.
+  """
+  digest = hashlib.blake2b(digest_size=16)
+  for path in files:
+    data = path.read_bytes()
+    name = path.relative_to(root).as_posix().encode('utf-8')
+    # Lengths first, so no two different file lists hash the same bytes.
+    digest.update(len(name).to_bytes(8, 'little') + name + len(data).to_bytes(8, 'little'))
+    digest.update(data)
+  return digest.hexdigest()
+
+
 def _cache_key(data_config: Any, tokenizer: tokenizer_lib.Tokenizer,
                files: Sequence[pathlib.Path]) -> str:
-  root = corpora.corpus_root(data_config)
   desc = {
       'version': _CACHE_VERSION,
       'tokenizer': tokenizer.to_json(),
-      'files': [(p.relative_to(root).as_posix(), p.stat().st_size) for p in files],
+      'files': _contents_digest(files, corpora.corpus_root(data_config)),
       'seq_len': int(data_config.seq_len),
       'max_corpus_bytes': int(data_config.max_corpus_bytes),
   }
@@ -175,17 +191,40 @@ def _cache_key(data_config: Any, tokenizer: tokenizer_lib.Tokenizer,
   return hashlib.sha1(json.dumps(desc, sort_keys=True).encode('utf-8')).hexdigest()[:16]
 
 
+def _read_cached_split(path: pathlib.Path) -> Arrays | None:
+  """The arrays cached at `path`; None (with a warning naming it) if it is unreadable or
+  malformed, as after a crash or a full disk: it is only a cache, so the caller rebuilds it."""
+  try:
+    with np.load(path, allow_pickle=False) as data:
+      arrays = {k: data[k] for k in KEYS}
+    found = {(a.dtype.name, a.shape) for a in arrays.values()}
+    if len(found) != 1 or next(iter(found))[0] != 'int32' or len(next(iter(found))[1]) != 2:
+      raise ValueError(f'expected int32 arrays {list(KEYS)} of one shape [rows, seq_len], got '
+                       f'{sorted(found)}')
+  except Exception as e:  # pylint: disable=broad-except  # zipfile, numpy and OS errors alike.
+    logging.warning('The data cache %s is unreadable (%s: %s): rebuilding it.', path,
+                    type(e).__name__, e)
+    return None
+  return arrays
+
+
 def load_or_build_split(data_config: Any, tokenizer: tokenizer_lib.Tokenizer, split: str,
                         cache_dir: str | pathlib.Path) -> Arrays:
-  """Packed arrays of `split`, read from `cache_dir/{split}-{key}.npz` or built and cached."""
+  """Packed arrays of `split`, read from `cache_dir/{split}-{key}.npz` or built and cached.
+
+  The key covers the tokenizer, the files' paths and contents, `seq_len` and
+  `max_corpus_bytes`. A corrupt cache file is reported and rebuilt; a new one is written to a
+  temporary name and renamed, so readers never see half a file.
+  """
   files = _split_files(data_config, split)
   cache_dir = pathlib.Path(cache_dir)
   path = cache_dir / f'{split}-{_cache_key(data_config, tokenizer, files)}.npz'
   if path.exists():
-    with np.load(path) as data:
-      return {k: data[k] for k in KEYS}
+    arrays = _read_cached_split(path)
+    if arrays is not None:
+      return arrays
   start = time.perf_counter()
-  texts = _read_capped(files, data_config.max_corpus_bytes)
+  texts = _read_capped(files, data_config.max_corpus_bytes, f'{split} split')
   arrays = pack(tokenize_documents(texts, tokenizer), data_config.seq_len,
                 pad_id=tokenizer.pad_id)
   logging.info('Built %s split: %d files, %d rows of %d tokens in %.1fs -> %s', split,
@@ -193,8 +232,11 @@ def load_or_build_split(data_config: Any, tokenizer: tokenizer_lib.Tokenizer, sp
                time.perf_counter() - start, path)
   cache_dir.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(f'{path.stem}.{os.getpid()}.tmp.npz')
-  np.savez(tmp, **arrays)
-  tmp.replace(path)
+  try:
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+  finally:
+    tmp.unlink(missing_ok=True)  # Left only when writing failed (a full disk, say).
   return arrays
 
 

@@ -1,5 +1,6 @@
 """Tests for mtp.data.pipeline."""
 
+import os
 import pathlib
 
 import ml_collections
@@ -132,6 +133,51 @@ def test_load_or_build_split_caches(corpus_config, tmp_path, monkeypatch):
   corpus_config.seq_len = 16  # A new key: rebuilt.
   with pytest.raises(AssertionError, match='cache'):
     pipeline.load_or_build_split(corpus_config, tok, 'train', cache)
+
+
+def test_an_edit_that_keeps_the_size_rebuilds_the_cache(corpus_config, tmp_path):
+  tok = tokenizer_lib.byte_tokenizer()
+  cache = tmp_path / 'cache'
+  before = pipeline.load_or_build_split(corpus_config, tok, 'train', cache)
+  # Same size, same mtime: only the contents tell the edit apart.
+  edited = pipeline._split_files(corpus_config, 'train')[0]
+  stat = edited.stat()
+  text = edited.read_text()
+  edited.write_text(text.replace('x * ', 'y * ', 1))
+  os.utime(edited, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert edited.stat().st_size == stat.st_size
+  after = pipeline.load_or_build_split(corpus_config, tok, 'train', cache)
+  assert len(list(cache.glob('train-*.npz'))) == 2
+  assert not np.array_equal(after['tokens'], before['tokens'])
+  y = tok.encode('y')[0]
+  assert (after['tokens'] == y).sum() == (before['tokens'] == y).sum() + 1
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garble', 'empty', 'wrong_arrays'])
+def test_a_corrupt_cache_file_is_named_and_rebuilt(corpus_config, tmp_path, caplog, damage):
+  tok = tokenizer_lib.byte_tokenizer()
+  cache = tmp_path / 'cache'
+  built = pipeline.load_or_build_split(corpus_config, tok, 'train', cache)
+  [path] = cache.glob('train-*.npz')
+  data = path.read_bytes()
+  if damage == 'truncate':  # A crash or a full disk mid-write (by a copy, say).
+    path.write_bytes(data[:len(data) // 2])
+  elif damage == 'garble':
+    middle = len(data) // 2
+    path.write_bytes(data[:middle] + bytes(b ^ 0xff for b in data[middle:middle + 64])
+                     + data[middle + 64:])
+  elif damage == 'empty':
+    path.write_bytes(b'')
+  else:
+    np.savez(path, tokens=np.zeros([3], np.float32))
+  with caplog.at_level('WARNING'):
+    again = pipeline.load_or_build_split(corpus_config, tok, 'train', cache)
+  for k in pipeline.KEYS:
+    np.testing.assert_array_equal(again[k], built[k])
+  assert any(str(path) in r.message and 'rebuilding' in r.message for r in caplog.records)
+  assert [p.name for p in cache.iterdir()] == [path.name]  # Rewritten; no temporary left.
+  with np.load(path) as fixed:
+    np.testing.assert_array_equal(fixed['tokens'], built['tokens'])
 
 
 def test_max_corpus_bytes(corpus_config, tmp_path):
