@@ -39,6 +39,14 @@ def test_missing_pieces_are_named(workdir, tmp_path):
     mtp.load(copy)
 
 
+def test_a_corrupt_tokenizer_is_named(workdir, tmp_path):
+  copy = tmp_path / 'copy'
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns('checkpoints', 'tensorboard'))
+  (copy / 'tokenizer.json').write_text('{"truncated": ')
+  with pytest.raises(ValueError, match=f'{copy / "tokenizer.json"} is corrupt'):
+    mtp.load(copy)
+
+
 PROMPTS = ['def add(a, b):\n    return', 'import os\n', 'class Point:\n    def __init__(self']
 
 

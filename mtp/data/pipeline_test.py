@@ -252,6 +252,16 @@ def test_build_tokenizer(corpus_config, tmp_path):
     pipeline.build_tokenizer(corpus_config, 300)
 
 
+def test_a_corrupt_workdir_tokenizer_is_named_not_rebuilt(corpus_config, tmp_path):
+  # Training resumes through here: a new tokenizer would silently change every token id.
+  pipeline.load_or_build_tokenizer(corpus_config, 300, tmp_path)
+  path = tmp_path / tokenizer_lib.FILENAME
+  path.write_text(path.read_text()[:100])
+  with pytest.raises(ValueError, match=f'{path} is corrupt'):
+    pipeline.load_or_build_tokenizer(corpus_config, 300, tmp_path)
+  assert len(path.read_text()) == 100
+
+
 def test_train_iterator_format_and_epochs():
   arrays = _arrays(12)
   it = pipeline.make_train_iterator(arrays, 4, seed=0)

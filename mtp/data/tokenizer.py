@@ -221,7 +221,12 @@ class Tokenizer:
   @classmethod
   def load(cls, directory: str | pathlib.Path) -> Tokenizer:
     """Reads `directory/tokenizer.json` (or the file itself if given a file path) and the
-    `special_tokens.json` beside it, if any."""
+    `special_tokens.json` beside it, if any.
+
+    Raises:
+      FileNotFoundError: there is no tokenizer file.
+      ValueError: a file is corrupt or not a usable tokenizer (the message names it).
+    """
     path = pathlib.Path(directory)
     if path.is_dir():
       path = path / FILENAME
@@ -230,8 +235,19 @@ class Tokenizer:
     specials = path.with_name(SPECIAL_IDS_FILENAME)
     special_ids = None
     if specials.is_file():
-      special_ids = SpecialIds.from_json(specials.read_text(encoding='utf-8'), specials)
-    return cls(tokenizers.Tokenizer.from_file(str(path)), special_ids)
+      try:
+        text = specials.read_text(encoding='utf-8')
+      except UnicodeDecodeError as e:
+        raise ValueError(f'{specials} is not UTF-8 text ({e}).') from e
+      special_ids = SpecialIds.from_json(text, specials)
+    try:
+      hf_tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # pylint: disable=broad-except  # The Rust side raises bare Exception.
+      raise ValueError(f'{path} is corrupt or not a tokenizer file ({e}).') from e
+    try:
+      return cls(hf_tokenizer, special_ids)
+    except ValueError as e:
+      raise ValueError(f'{path}: {e}') from e
 
   def __repr__(self) -> str:
     return f'Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})'

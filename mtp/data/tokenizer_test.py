@@ -1,6 +1,7 @@
 """Tests for mtp.data.tokenizer."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -91,6 +92,30 @@ def test_save_load(tmp_path, bpe, make):
 
 def test_load_missing(tmp_path):
   with pytest.raises(FileNotFoundError):
+    tokenizer_lib.Tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize('damage', ['truncated', 'garbage', 'not_utf8', 'empty_object',
+                                    'no_special_tokens', 'bad_special_ids_bytes'])
+def test_a_corrupt_tokenizer_file_is_named(tmp_path, bpe, damage):
+  import tokenizers
+  path = bpe.save(tmp_path)
+  text = path.read_text()
+  named = path
+  if damage == 'truncated':  # A copy cut short.
+    path.write_text(text[:len(text) // 2])
+  elif damage == 'garbage':
+    path.write_text('not json')
+  elif damage == 'not_utf8':
+    path.write_bytes(b'\xff\xfe' + text.encode())
+  elif damage == 'empty_object':
+    path.write_text('{}')
+  elif damage == 'no_special_tokens':  # Valid, but not a tokenizer of this project's layout.
+    path.write_text(tokenizers.Tokenizer(tokenizers.models.BPE()).to_str())
+  else:
+    named = tmp_path / 'special_tokens.json'
+    named.write_bytes(b'\xff{"pad_id": 0}')
+  with pytest.raises(ValueError, match=re.escape(str(named))):
     tokenizer_lib.Tokenizer.load(tmp_path)
 
 
