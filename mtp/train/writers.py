@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from absl import logging
 import jax
 import tqdm
 from tensorboardX import SummaryWriter
@@ -13,11 +14,42 @@ METRICS_FILENAME = 'metrics.jsonl'
 
 
 def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
-  """All records of workdir/metrics.jsonl in order."""
+  """All records of workdir/metrics.jsonl in order.
+
+  A last line that does not end the file with a newline and does not parse is a record torn by
+  a kill mid-write: it is dropped with a warning (a resuming run rewrites the metrics from its
+  checkpoint step anyway). Any other line that is not a JSON object raises a ValueError naming
+  the file and line.
+  """
   path = pathlib.Path(workdir) / METRICS_FILENAME
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  lines = path.read_bytes().split(b'\n')
+  # The file ends with a newline when its last write completed; a kill may tear that write.
+  torn = lines.pop()
+  records = []
+  for number, line in enumerate(lines, start=1):
+    if line.strip():
+      records.append(_parse_record(line, path, number))
+  if torn.strip():
+    try:
+      records.append(_parse_record(torn, path, len(lines) + 1))
+    except ValueError as e:
+      logging.warning('Dropping the unfinished last line of %s (a write cut short): %s', path, e)
+  return records
+
+
+def _parse_record(line: bytes, path: pathlib.Path, number: int) -> dict:
+  """One metrics record; a ValueError naming `path` and line `number` if it is not one."""
+  try:
+    record = json.loads(line.decode('utf-8'))
+  except ValueError as e:  # UnicodeDecodeError and JSONDecodeError alike.
+    raise ValueError(f'{path}, line {number}: not a JSON record ({e}): {line[:80]!r}. Fix or '
+                     'delete that line.') from e
+  if not isinstance(record, dict):
+    raise ValueError(f'{path}, line {number}: expected a JSON object, got {line[:80]!r}. Fix '
+                     'or delete that line.')
+  return record
 
 
 class MetricWriter:
