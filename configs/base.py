@@ -25,7 +25,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_every_steps = 200
   c.eval_steps = 8
   c.checkpoint_every_steps = 200
-  c.keep_checkpoints = 3
+  c.keep_checkpoints = 3           # the latest checkpoints kept (at least 1)
+  # Divergence guard: a step whose loss or gradient norm is not finite is not applied; after
+  # this many such steps, training stops with an error naming the step, saving nothing more
+  # (the last good checkpoints stay). 0: stop at the first (launch.train exits with code 3).
+  c.max_bad_steps = 0
   c.progress_bar = True
 
   # Multi-token objective: total = ntp + λ · Σ_k w_k · loss_k, w_k = decay**k.

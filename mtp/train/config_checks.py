@@ -26,6 +26,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   for key in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps'):
     if config[key] <= 0:
       raise ValueError(f'{key} must be positive, got {config[key]}.')
+  if config.keep_checkpoints < 1:
+    raise ValueError(f'keep_checkpoints must be at least 1, got {config.keep_checkpoints} (it '
+                     'is how many of the latest checkpoints rotation keeps).')
+  if config.get('max_bad_steps', 0) < 0:
+    raise ValueError(f'max_bad_steps must be >= 0, got {config.max_bad_steps}.')
   if config.eval_steps < 0:
     raise ValueError(f'eval_steps must be >= 0, got {config.eval_steps}.')
   if config.mtp_loss_scaling_factor < 0:
@@ -59,9 +64,11 @@ def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDi
   mismatched = [f'model.{k}: {saved.model[k]!r} in the workdir, {config.model[k]!r} now'
                 for k in config.model if k in saved.model and k not in RUNTIME_MODEL_KEYS and
                 _normalise(saved.model[k]) != _normalise(config.model[k])]
-  for key in ('tokenizer', 'seq_len', 'corpus'):
-    if _normalise(saved.data.get(key)) != _normalise(config.data.get(key)):
-      mismatched.append(f'data.{key}: {saved.data.get(key)!r} in the workdir, '
+  # The batch size too: the saved data position counts batches.
+  saved_data = saved.get('data') or {}
+  for key in ('tokenizer', 'seq_len', 'corpus', 'batch_size'):
+    if _normalise(saved_data.get(key)) != _normalise(config.data.get(key)):
+      mismatched.append(f'data.{key}: {saved_data.get(key)!r} in the workdir, '
                         f'{config.data.get(key)!r} now')
   if mismatched:
     raise ValueError(f'The config does not match the existing workdir {workdir}: '

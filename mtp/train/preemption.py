@@ -1,10 +1,21 @@
-"""Preemption: SIGTERM becomes a request to save a checkpoint and stop at a step boundary."""
+"""Preemption: SIGTERM becomes a request to save a checkpoint and stop at a step boundary; the
+loop then raises `Preempted`, so that callers (and, through launch.train's exit code, schedulers)
+can tell a preempted run from a finished one."""
 
 from __future__ import annotations
 
 import signal
 
 from absl import logging
+
+
+class Preempted(Exception):
+  """Training stopped on SIGTERM after saving its checkpoint at `step`; run again to resume."""
+
+  def __init__(self, step: int):
+    super().__init__(f'preempted (SIGTERM): saved a checkpoint at step {step}; run the same '
+                     'command again to resume.')
+    self.step = step
 
 
 class StopRequest:

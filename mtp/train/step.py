@@ -21,6 +21,7 @@ from mtp.checkpoint import checkpointing
 from mtp.checkpoint import param_tree
 from mtp.model import mtp_model
 from mtp.parallel import mesh as mesh_lib
+from mtp.train import divergence
 from mtp.train import loss as loss_lib
 from mtp.train import optim
 
@@ -164,6 +165,9 @@ class Trainer:
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     metrics['grad_norm'] = optax.global_norm(grads)
+    # A non-finite loss or gradient norm leaves the state as it was (see `divergence`).
+    new_params, opt_state = divergence.keep_if_finite(
+        divergence.finite(metrics), (new_params, opt_state), (state.params, state.opt_state))
     return TrainState(step=state.step + 1, params=new_params, opt_state=opt_state), metrics
 
   def _eval_step(self, params: nnx.State, batch: Batch):

@@ -3,11 +3,13 @@ logs metrics, evaluates, and checkpoints (also on SIGTERM).
 
 Its parts live beside it: `config_checks` (the config and the workdir it resumes),
 `workdir_tokenizer`, `init` (fresh, resumed or init_from state), `distill` (self-distillation
-caches), `step` (the jitted steps and the batch type) and `preemption` (SIGTERM).
+caches), `step` (the jitted steps and the batch type), `preemption` (SIGTERM) and
+`divergence` (non-finite losses). The workdir is locked for the run (`workdir_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -20,9 +22,11 @@ import numpy as np
 from absl import logging
 
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import workdir_lock
 from mtp.data import pipeline
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
+from mtp.train import divergence
 from mtp.train import init
 from mtp.train import preemption
 from mtp.train import step as step_lib
@@ -40,6 +44,9 @@ class _Interval:
 
   def summary(self) -> dict[str, float]:
     fetched = jax.device_get(self.metrics)
+    # Steps the divergence guard skipped (max_bad_steps > 0) are left out of the means.
+    fetched = [m for m in fetched if all(np.isfinite(m[k]) for k in divergence.WATCHED
+                                         if k in m)] or fetched
     out = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0] if k != 'num_tokens'}
     out['tokens_per_sec'] = self.tokens / max(time.perf_counter() - self.start_time, 1e-9)
     return out
@@ -55,20 +62,48 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     workdir: checkpoints, config.json, tokenizer.json, metrics.jsonl and TensorBoard events.
     stop_after_step: stop (with a checkpoint) after this step, as if preempted; for tests.
     on_metrics: called with every logged metrics dict.
+
+  Raises:
+    ValueError: an invalid config, or one that does not match the workdir.
+    workdir_lock.WorkdirLockedError: another process holds the workdir.
+    checkpointing.CheckpointError: an unreadable checkpoint (left untouched).
+    divergence.DivergenceError: a non-finite loss or gradient norm (more than
+      `max_bad_steps` times); nothing is saved after the last good checkpoint.
+    preemption.Preempted: SIGTERM, after saving a checkpoint.
   """
   workdir = pathlib.Path(workdir)
   validate_config(config, jax.device_count())
+  with _workdir_held(workdir):
+    return _train(config, workdir, stop_after_step, on_metrics)
+
+
+@contextlib.contextmanager
+def _workdir_held(workdir: pathlib.Path):
+  """Process 0 holds the workdir's lock for the run (for all the processes of a multi-host one,
+  which write through it)."""
+  if jax.process_index() != 0:
+    yield
+    return
+  with workdir_lock.WorkdirLock(workdir):
+    yield
+
+
+def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
+           stop_after_step: int | None, on_metrics: Callable[[dict], None] | None
+           ) -> dict[str, float]:
   workdir.mkdir(parents=True, exist_ok=True)
   check_workdir_matches(workdir, config)
-  checkpointing.save_config(workdir, config)
   if config.get('init_from'):
     workdir_tokenizer.adopt(pathlib.Path(config.init_from), workdir)
-  if init.saves_heads_only(config):
-    checkpointing.write_base_reference(workdir, config.init_from)
   tokenizer = workdir_tokenizer.prepare(config, workdir)
   cache_dir = workdir / 'data_cache'
   train_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'train', cache_dir)
   valid_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'valid', cache_dir)
+  # Only now that the corpus and tokenizer check out: a run that failed on them leaves no
+  # config.json, so a corrected config may start in the same workdir.
+  checkpointing.save_config(workdir, config)
+  if init.saves_heads_only(config):
+    checkpointing.write_base_reference(workdir, config.init_from)
 
   mesh = mesh_lib.make_mesh(config.mesh)
   trainer = step_lib.Trainer(config, mesh, *distill.batch_fields(config))
@@ -104,17 +139,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     logging.info('%s is already trained to step %d (num_train_steps=%d).', workdir, start_step,
                  config.num_train_steps)
   interval = None
+  # Looks at the metrics where they are fetched anyway: the first step, log steps, saves.
+  guard = divergence.Guard(config.get('max_bad_steps', 0))
+  preempted_at = None
   try:
     with preemption.StopRequest() as stop:
       for step in range(start_step + 1, last_step + 1):
         state, metrics = trainer.train_step(state, trainer.train_batch(next(iterator)))
+        guard.add(step, metrics)
         if interval is None:  # Leave compilation out of the throughput.
           jax.block_until_ready(metrics)
+          guard.check()
           interval = _Interval(time.perf_counter())
         else:
           interval.metrics.append(metrics)
           interval.tokens += tokens_per_batch
         if step % config.log_every_steps == 0 or step == last_step:
+          guard.check()
           if not interval.metrics:
             interval.metrics.append(metrics)
           last_metrics = {'step': step, **interval.summary()}
@@ -131,11 +172,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
           interval.start_time += time.perf_counter() - eval_start  # Not training time.
         writer.advance()
         if (step % config.checkpoint_every_steps == 0 or step == last_step or stop.requested):
+          guard.check()  # Never save a diverged state (nor rotate good checkpoints out for it).
           checkpointer.save(step, init.saved_params(config, state.params), state.opt_state,
                             iterator, force=True)
         if stop.requested:
+          preempted_at = step
           break
   finally:
     checkpointer.close()
     writer.close()
+  if preempted_at is not None:
+    raise preemption.Preempted(preempted_at)
   return last_metrics

@@ -1,18 +1,26 @@
 """Training: heads learn their offsets, frozen trunk, sharded step, exact resume, bad input."""
 
+import json
 import os
 import pathlib
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from configs import tiny
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import workdir_lock
 from mtp.parallel import mesh as mesh_lib
+from mtp.train import divergence
+from mtp.train import preemption
 from mtp.train import step as step_lib
 from mtp.train import trainer as trainer_lib
 from mtp.train import writers
@@ -117,7 +125,9 @@ def test_resume_after_sigterm_is_exact(tmp_path):
     if metrics['step'] == 4:
       os.kill(os.getpid(), signal.SIGTERM)
 
-  trainer_lib.train_and_evaluate(_config(**overrides), interrupted, on_metrics=preempt_at_step_4)
+  with pytest.raises(preemption.Preempted, match='step 4'):
+    trainer_lib.train_and_evaluate(_config(**overrides), interrupted,
+                                   on_metrics=preempt_at_step_4)
   assert checkpointing.Checkpointer(interrupted, read_only=True).all_steps() == [4]
   assert max(_losses(interrupted)) == 4
   trainer_lib.train_and_evaluate(_config(**overrides), interrupted)
@@ -151,6 +161,7 @@ def test_corrupt_checkpoint_is_named_and_left_untouched(trained_workdir, tmp_pat
 @pytest.mark.parametrize('overrides,message', [
     ({'model.vocab_size': 512}, 'does not match the existing workdir'),
     ({'data.tokenizer': 'bpe'}, 'data.tokenizer'),
+    ({'data.batch_size': 4}, 'data.batch_size: 8 in the workdir, 4 now'),
 ])
 def test_workdir_mismatch_is_named(trained_workdir, overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -176,6 +187,9 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_named(tmp_path):
     ({'optim.mode': 'medusa3'}, "Unknown optim.mode 'medusa3'"),
     ({'data.batch_size': 6, 'mesh.data': 4}, 'divisible by the mesh'),
     ({'mtp_loss_scaling_factor': -1.0}, 'mtp_loss_scaling_factor'),
+    ({'keep_checkpoints': 0}, 'keep_checkpoints must be at least 1, got 0'),
+    ({'keep_checkpoints': -1}, 'keep_checkpoints must be at least 1, got -1'),
+    ({'max_bad_steps': -1}, 'max_bad_steps must be >= 0'),
 ])
 def test_bad_config_is_named_before_compiling(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -246,3 +260,73 @@ def test_heads_on_a_frozen_trunk_are_saved_alone_and_resume_exactly(trained_work
   jax.tree.map(np.testing.assert_array_equal, nnx.state(loaded.model.trunk),
                nnx.state(source.model.trunk))
   assert loaded.model.mtp_num_heads == config.model.mtp_num_heads
+
+
+def test_keep_checkpoints_zero_deletes_nothing_on_resume(trained_workdir, tmp_path):
+  workdir = tmp_path / 'resumed'
+  shutil.copytree(trained_workdir, workdir)
+  with pytest.raises(ValueError, match='keep_checkpoints'):
+    trainer_lib.train_and_evaluate(_config(**{'num_train_steps': 4, 'keep_checkpoints': 0}),
+                                   workdir)
+  assert checkpointing.Checkpointer(workdir, read_only=True).all_steps() == [2]
+
+
+def test_a_second_trainer_on_the_workdir_is_refused_naming_the_holder(trained_workdir, tmp_path):
+  workdir = tmp_path / 'w'
+  shutil.copytree(trained_workdir, workdir)
+  before = sorted(p.name for p in workdir.iterdir())
+  with workdir_lock.WorkdirLock(workdir):
+    with pytest.raises(workdir_lock.WorkdirLockedError,
+                       match=f'in use by pid {os.getpid()} on host .*delete {workdir}.lock'):
+      trainer_lib.train_and_evaluate(_config(**{'num_train_steps': 4}), workdir)
+  assert sorted(p.name for p in workdir.iterdir()) == before
+  # A lock its holder left behind when it died does not block.
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  (tmp_path / 'w.lock').write_text(json.dumps({'pid': dead.pid, 'host': socket.gethostname()}))
+  trainer_lib.train_and_evaluate(_config(**{'num_train_steps': 2, 'eval_steps': 1}), workdir)
+  assert not (tmp_path / 'w.lock').exists()
+
+
+def _nan_loss_at(monkeypatch, bad_steps):
+  """Makes the loss (and so the gradients) NaN at the given 1-based steps."""
+  original = step_lib.Trainer._loss
+
+  def loss(self, params, batch, step=None):
+    total, metrics = original(self, params, batch, step)
+    if step is not None:
+      factor = jnp.where(jnp.isin(step + 1, jnp.asarray(bad_steps)), jnp.nan, 1.0)
+      total, metrics = total * factor, {**metrics, 'loss': metrics['loss'] * factor}
+    return total, metrics
+  monkeypatch.setattr(step_lib.Trainer, '_loss', loss)
+
+
+def test_divergence_stops_naming_the_step_and_keeps_the_good_checkpoints(tmp_path, monkeypatch):
+  _nan_loss_at(monkeypatch, list(range(5, 9)))
+  config = _config(**{'num_train_steps': 8, 'checkpoint_every_steps': 2, 'keep_checkpoints': 2,
+                      'log_every_steps': 100, 'eval_steps': 0})
+  with pytest.raises(divergence.DivergenceError, match=r'diverged at step 5 \(grad_norm nan, loss nan\)'):
+    trainer_lib.train_and_evaluate(config, tmp_path)
+  assert checkpointing.Checkpointer(tmp_path, read_only=True).all_steps() == [2, 4]
+
+
+def test_max_bad_steps_skips_that_many_bad_steps(tmp_path, monkeypatch):
+  _nan_loss_at(monkeypatch, [3])
+  config = _config(**{'num_train_steps': 4, 'log_every_steps': 2, 'eval_steps': 0,
+                      'max_bad_steps': 1})
+  metrics = trainer_lib.train_and_evaluate(config, tmp_path)
+  assert metrics['step'] == 4 and np.isfinite(metrics['loss'])
+  losses = _losses(tmp_path)
+  assert sorted(losses) == [2, 4] and all(np.isfinite(v) for v in losses.values())
+  import mtp
+  params = jax.tree.leaves(nnx.state(mtp.load(tmp_path).model))
+  assert all(np.isfinite(np.asarray(p)).all() for p in params)
+
+
+def test_a_failed_first_run_leaves_no_config(tmp_path):
+  """A typo in data.corpus, then the corrected config, in the same workdir."""
+  workdir = tmp_path / 'w'
+  with pytest.raises(ValueError, match='typo'):
+    trainer_lib.train_and_evaluate(_config(**{'data.corpus': str(tmp_path / 'typo')}), workdir)
+  assert not (workdir / checkpointing.CONFIG_FILENAME).exists()
+  trainer_lib.check_workdir_matches(workdir, _config())  # No mismatch to refuse.
