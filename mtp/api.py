@@ -270,18 +270,36 @@ def head_accuracies(loaded: LoadedModel, num_prompts: int = 8, top_k: int = 4) -
 
   Measured on greedy continuations of prompts from every other file of the training corpus's
   validation split (code the model did not train on), once per checkpoint step, and kept in
-  `workdir/head_accuracies.json`.
+  `workdir/head_accuracies.json`. That file is only a cache: when it is unreadable or its entry
+  is malformed, a warning names it and the accuracies are measured again and written over it.
   """
+  import logging
   from mtp.data import corpora
   from mtp.decode import calibration
   path = loaded.workdir / _ACCURACIES_FILE
   key = f'step{loaded.step}-R{top_k}-n{num_prompts}-even'
+  table = {}
   try:
-    table = json.loads(path.read_text())
-  except (OSError, ValueError):
+    table = json.loads(path.read_bytes())
+    if not isinstance(table, dict):
+      raise ValueError(f'expected a JSON object, got {type(table).__name__}')
+  except FileNotFoundError:
+    pass  # Not measured yet.
+  except (OSError, ValueError) as e:
+    logging.warning('Ignoring the head-accuracy cache %s (%s); measuring again.', path, e)
     table = {}
   if key in table:
-    return np.asarray(table[key])
+    try:
+      acc = np.asarray(table[key])
+    except ValueError:  # Ragged lists.
+      acc = np.zeros([0])
+    # Accuracies of every head at each of the R ranks: probabilities (NaN fails), shape [D, R].
+    if (acc.shape == (loaded.model.cfg.mtp_num_heads, top_k)
+        and np.issubdtype(acc.dtype, np.number) and np.all((acc >= 0) & (acc <= 1))):
+      return acc.astype(np.float64)
+    logging.warning('Ignoring entry %r of the head-accuracy cache %s (not a [%d, %d] table of '
+                    'probabilities); measuring again.', key, path,
+                    loaded.model.cfg.mtp_num_heads, top_k)
   # Every other validation file: the rest stays unseen by the calibration for evaluations.
   files = corpora.corpus_splits(loaded.config.data)['valid'][::2]
   tokenizer = loaded.tokenizer
@@ -293,8 +311,10 @@ def head_accuracies(loaded: LoadedModel, num_prompts: int = 8, top_k: int = 4) -
                               max_new_tokens=128, top_k=top_k, eos_id=tokenizer.eos_id,
                               pad_id=tokenizer.pad_id)
   table[key] = acc.tolist()
-  try:
-    path.write_text(json.dumps(table, indent=1))
+  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+  try:  # Renamed into place, so a kill mid-write never leaves half a file.
+    tmp.write_text(json.dumps(table, indent=1))
+    tmp.replace(path)
   except OSError:
-    pass  # A read-only workdir: measure again next time.
+    tmp.unlink(missing_ok=True)  # A read-only workdir: measure again next time.
   return acc

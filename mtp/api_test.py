@@ -131,3 +131,33 @@ def test_generate_auto_tree_measures_and_caches_accuracies(workdir, monkeypatch)
   assert (workdir / 'head_accuracies.json').exists()
   acc = mtp.api.head_accuracies(loaded)
   assert acc.shape == (3, 4) and ((acc >= 0) & (acc <= 1)).all()
+
+
+@pytest.mark.parametrize('contents', [
+    b'{"step', b'\xff\xfe', b'[1, 2]', b'null',
+    b'{"KEY": "oops"}', b'{"KEY": [[0.5, 0.5], [0.5]]}', b'{"KEY": [[0.5, 0.5, 0.5, 0.5]]}',
+    b'{"KEY": [[2.0, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]}',
+    b'{"KEY": [[NaN, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]}',
+])
+def test_a_malformed_accuracy_cache_is_named_and_measured_again(workdir, tmp_path, monkeypatch,
+                                                                caplog, contents):
+  import dataclasses
+  import json
+  from mtp.decode import calibration
+  loaded = dataclasses.replace(mtp.load(workdir), workdir=tmp_path)  # Keep the fixture's cache.
+  measured = np.full((loaded.model.cfg.mtp_num_heads, 4), 0.25)
+  calls = []
+  monkeypatch.setattr(calibration, 'calibrate', lambda *a, **k: calls.append(1) or measured)
+  key = f'step{loaded.step}-R4-n8-even'
+  path = tmp_path / 'head_accuracies.json'
+  path.write_bytes(contents.replace(b'KEY', key.encode()))
+  with caplog.at_level('WARNING'):
+    acc = mtp.api.head_accuracies(loaded)
+  np.testing.assert_array_equal(acc, measured)
+  assert calls == [1]
+  assert any(str(path) in r.getMessage() and 'measuring again' in r.getMessage()
+             for r in caplog.records)
+  assert json.loads(path.read_text()) == {key: measured.tolist()}  # Overwritten.
+  np.testing.assert_array_equal(mtp.api.head_accuracies(loaded), measured)
+  assert calls == [1]  # Read back from the rewritten cache.
+  assert [p.name for p in tmp_path.iterdir()] == [path.name]  # No temporary left behind.
