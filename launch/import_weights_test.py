@@ -6,6 +6,7 @@ from absl.testing import flagsaver
 
 import mtp
 from launch import import_weights
+from mtp.checkpoint import workdir_lock
 from mtp.pretrained import testing
 
 FLAGS = flags.FLAGS
@@ -37,3 +38,13 @@ def test_errors_name_the_problem_and_write_nothing(tmp_path):
   assert not (tmp_path / 'w').exists()
   with pytest.raises(SystemExit, match='does not exist'):
     _run([f'--source={tmp_path / "nothing.gguf"}', f'--workdir={tmp_path / "w"}'])
+
+
+@flagsaver.flagsaver
+def test_a_workdir_another_process_holds_is_refused(tmp_path):
+  source = tmp_path / 'tiny.gguf'
+  testing.write_gguf(source, testing.random_tensors())
+  with workdir_lock.WorkdirLock(tmp_path / 'w'):
+    with pytest.raises(SystemExit, match=r'launch.import_weights: .*w is in use by pid \d+'):
+      _run([f'--source={source}', f'--workdir={tmp_path / "w"}'])
+  assert not (tmp_path / 'w').exists()

@@ -6,6 +6,10 @@ r"""Trains an MTP model.
 Running it again with the same workdir resumes from the latest checkpoint, data position
 included. Multi-host: pass --num_processes, --process_id and --coordinator_address (or rely on
 the cluster's auto-detection by passing --num_processes=-1).
+
+It fails with one line on stderr (the traceback too with --verbosity=1 or MTP_TRACEBACK=1) and
+exit code 1 for errors, 2 for bad flags or config keys, 3 when training diverged and 143 when
+preempted by SIGTERM (after saving a checkpoint): see launch/cli.py.
 """
 
 from absl import app
@@ -14,8 +18,10 @@ from absl import logging
 from ml_collections import config_flags
 
 import launch
+from launch import cli
 
 FLAGS = flags.FLAGS
+PROGRAM = 'launch.train'
 config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and the tokenizer go.')
 flags.DEFINE_integer('num_processes', 1, 'Processes of a multi-host run (-1: auto-detect).')
@@ -26,19 +32,36 @@ flags.mark_flags_as_required(['config', 'workdir'])
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
+  try:
+    config = FLAGS.config
+    config.get('seed')  # Loaded lazily: an unreadable file fails here.
+  except Exception as e:  # noqa: BLE001
+    cli.fail(PROGRAM, e, cli.USAGE)
   launch.quiet_library_logs()
   import jax  # After flags, so that XLA_FLAGS set by wrappers are honoured.
   if FLAGS.num_processes == -1:
     jax.distributed.initialize()
   elif FLAGS.num_processes > 1:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  from mtp.checkpoint import checkpointing
+  from mtp.checkpoint import workdir_lock
+  from mtp.train import divergence
+  from mtp.train import preemption
   from mtp.train import trainer
   logging.info('JAX devices: %s', jax.devices())
-  metrics = trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  try:
+    metrics = trainer.train_and_evaluate(config, FLAGS.workdir)
+  except preemption.Preempted as e:
+    cli.fail(PROGRAM, e, cli.PREEMPTED)
+  except divergence.DivergenceError as e:
+    cli.fail(PROGRAM, e, cli.DIVERGED)
+  except (ValueError, KeyError, OSError, checkpointing.CheckpointError,
+          workdir_lock.WorkdirLockedError) as e:
+    cli.fail(PROGRAM, e)
   summary = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
   logging.info('Final metrics: %s', summary)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(PROGRAM))

@@ -24,6 +24,7 @@ from flax import nnx
 
 from configs import base
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import workdir_lock
 from mtp.model import mtp_model
 from mtp.pretrained import gguf_file
 from mtp.pretrained import hf_directory
@@ -112,8 +113,15 @@ def import_weights(source: str | os.PathLike, workdir: str | os.PathLike) -> pat
   Raises:
     PretrainedError: unreadable or unsupported weights, or an existing non-empty workdir;
       nothing is written then.
+    workdir_lock.WorkdirLockedError: another process trains or imports into `workdir`.
   """
   workdir = pathlib.Path(workdir).absolute()
+  check_target(workdir)
+  with workdir_lock.WorkdirLock(workdir):
+    return _import_weights(source, workdir)
+
+
+def _import_weights(source: str | os.PathLike, workdir: pathlib.Path) -> pathlib.Path:
   check_target(workdir)
   checkpoint = read_source(resolve_source(source))
   config = make_config(checkpoint)

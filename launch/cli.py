@@ -1,0 +1,77 @@
+"""How the launch scripts fail: one line on stderr and an exit code a scheduler can act on.
+
+Exit codes (README.md, "Exit codes"):
+  0    done
+  1    error: config, data, checkpoint, workdir lock, weights (one line names the problem)
+  2    usage: an unknown flag or config key, an unreadable config file
+  3    training diverged: a non-finite loss or gradient norm (the last good checkpoints stay)
+  143  preempted (SIGTERM, 128 + 15): a checkpoint was saved; the same command resumes
+
+The traceback is printed too with `--verbosity=1` (or higher) or the environment variable
+`MTP_TRACEBACK=1`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable, NoReturn, Sequence
+
+from absl import flags
+
+OK = 0
+ERROR = 1
+USAGE = 2
+DIVERGED = 3
+PREEMPTED = 143
+
+
+def wants_traceback() -> bool:
+  if os.environ.get('MTP_TRACEBACK', '') not in ('', '0'):
+    return True
+  try:
+    return flags.FLAGS.verbosity >= 1
+  except (flags.UnparsedFlagAccessError, AttributeError):
+    return False
+
+
+def fail(program: str, error: BaseException, code: int = ERROR) -> NoReturn:
+  """Exits with `code` after one line naming `error` (and its traceback, if wanted)."""
+  if wants_traceback():
+    traceback.print_exception(error)
+  message = f'{program}: {error}'
+  if code == ERROR:
+    raise SystemExit(message) from None  # Python prints it and exits with 1.
+  print(message, file=sys.stderr, flush=True)
+  raise SystemExit(code) from None
+
+
+def flags_parser(program: str) -> Callable[[Sequence[str]], list[str]]:
+  """An `app.run(flags_parser=...)` that turns a bad flag, config file or config key into one
+  line and exit code 2, in place of absl's exit code 1 or a traceback."""
+  def parse(argv: Sequence[str]) -> list[str]:
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      error = e
+    except (AttributeError, KeyError) as e:  # ml_collections: no such config key.
+      error = ValueError(_unknown_key(e))
+      error.__cause__ = e
+    except Exception as e:  # noqa: BLE001  An unreadable config file, a wrongly typed value.
+      error = e
+    fail(program, error, USAGE)
+  return parse
+
+
+def _unknown_key(error: BaseException) -> str:
+  """ml_collections' error for an unknown key (an AttributeError around a KeyError whose text
+  may add a "Did you mean ...?" line) as one line."""
+  text = error
+  while isinstance(text, BaseException) and text.args:
+    text = text.args[0]
+  key, _, hint = str(text).partition('\n')
+  message = f"unknown config key '{key.strip(chr(34) + chr(39))}' in a --config.* flag"
+  if hint.strip():
+    message += f' ({hint.strip()})'
+  return message + '; configs/base.py documents every key'
