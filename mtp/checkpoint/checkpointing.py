@@ -8,7 +8,8 @@ Layout of a workdir:
                          leaves a half-written checkpoint under a step's name.
 
 Heads trained on a frozen pretrained trunk (`init_from` + `optim.mode='frozen_trunk'`) save
-only the heads: `base.json` then names the base workdir whose latest checkpoint holds the trunk.
+only the heads: `base.json` then names the base workdir whose latest checkpoint holds the trunk
+(relative to the heads workdir when the two sit near each other, so the pair can be moved).
 
 Restoring the latest checkpoint resumes training exactly. A checkpoint that cannot be read is
 reported by name and left untouched: nothing is written over it.
@@ -16,6 +17,7 @@ reported by name and left untouched: nothing is written over it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -30,6 +32,7 @@ from mtp.checkpoint import param_tree
 from mtp.data import pipeline
 from mtp.model import heads as heads_lib
 from mtp.model import mtp_model
+from mtp.model import transformer
 
 CONFIG_FILENAME = 'config.json'
 CHECKPOINT_DIRNAME = 'checkpoints'
@@ -64,32 +67,69 @@ def load_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
     raise CheckpointError(f'{path} does not exist: {workdir} is not an mtp workdir.')
   try:
     values = json.loads(path.read_text())
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CheckpointError(f'{path} is not valid JSON ({e}).') from e
-  return ml_collections.ConfigDict(mtp_model.upgrade_legacy_config(values))
+  if not isinstance(values, dict) or not isinstance(values.get('model'), dict):
+    raise CheckpointError(f'{path} has no "model" section: it is not an mtp config.')
+  values = mtp_model.upgrade_legacy_config(values)
+  missing = [k for k in REQUIRED_MODEL_KEYS if k not in values['model']]
+  if missing:
+    raise CheckpointError(f'{path} lacks the model keys {", ".join(missing)}: it is damaged or '
+                          'not an mtp config (configs/base.py documents every key).')
+  return ml_collections.ConfigDict(values)
+
+
+# The trunk's settings without a default: a config.json without them describes no model.
+REQUIRED_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(transformer.TransformerConfig)
+                            if f.default is dataclasses.MISSING)
+# base.json names the base workdir relative to the heads workdir when it is at most this many
+# directories up (siblings, cousins: moved or copied together), else by its absolute path.
+MAX_RELATIVE_BASE_LEVELS = 2
 
 
 def write_base_reference(workdir: str | os.PathLike, base: str | os.PathLike) -> None:
-  """Records that the checkpoints hold heads only, on the trunk of workdir `base`."""
-  if jax.process_index() == 0:
-    write_json_atomically(pathlib.Path(workdir) / BASE_FILENAME,
-                          {'base_workdir': str(pathlib.Path(base).absolute()),
-                           'checkpoints_hold': 'heads'})
+  """Records that the checkpoints hold heads only, on the trunk of workdir `base`.
+
+  `base_workdir` is relative to `workdir` when the two are near each other (so that copying
+  both elsewhere keeps the pair), else absolute; `base_workdir_absolute` is the fallback for a
+  heads workdir moved alone.
+  """
+  if jax.process_index() != 0:
+    return
+  workdir, base = pathlib.Path(workdir).absolute(), pathlib.Path(base).absolute()
+  relative = os.path.relpath(base, workdir)
+  near = pathlib.PurePath(relative).parts.count('..') <= MAX_RELATIVE_BASE_LEVELS
+  write_json_atomically(workdir / BASE_FILENAME,
+                        {'base_workdir': relative if near else str(base),
+                         'base_workdir_absolute': str(base), 'checkpoints_hold': 'heads'})
 
 
 def base_reference(workdir: str | os.PathLike) -> pathlib.Path | None:
-  """The base workdir holding the trunk, if the checkpoints hold heads only."""
-  path = pathlib.Path(workdir) / BASE_FILENAME
+  """The base workdir holding the trunk, if the checkpoints hold heads only.
+
+  `base_workdir` is absolute, or relative to `workdir`; `base_workdir_absolute`, if there, is
+  tried when it is not an mtp workdir.
+  """
+  workdir = pathlib.Path(workdir)
+  path = workdir / BASE_FILENAME
   if not path.exists():
     return None
   try:
-    base = pathlib.Path(json.loads(path.read_text())['base_workdir'])
-  except (ValueError, KeyError, TypeError) as e:
-    raise CheckpointError(f'{path} is unreadable ({e}).') from e
-  if not (base / CONFIG_FILENAME).exists():
-    raise CheckpointError(f'{workdir} holds heads on the trunk of {base}, which is not an mtp '
-                          'workdir any more.')
-  return base
+    record = json.loads(path.read_text())
+    named = record['base_workdir']
+    candidates = [pathlib.Path(os.path.normpath(workdir.absolute() / named))]
+    if record.get('base_workdir_absolute'):
+      candidates.append(pathlib.Path(record['base_workdir_absolute']))
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise CheckpointError(f'{path} is unreadable ({type(e).__name__}: {e}).') from e
+  for base in candidates:
+    if (base / CONFIG_FILENAME).exists():
+      return base
+  tried = ' nor '.join(str(c) for c in dict.fromkeys(candidates))
+  raise CheckpointError(
+      f'{workdir} holds heads on the trunk of another workdir, but {tried} is not an mtp workdir '
+      f'(moved or deleted?). Point at it: set "base_workdir" in {path} to its path, absolute or '
+      f'relative to {workdir}.')
 
 
 class Checkpointer:

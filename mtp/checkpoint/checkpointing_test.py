@@ -121,3 +121,50 @@ def test_a_config_with_the_legacy_attention_heads_key_loads(tmp_path):
   (tmp_path / checkpointing.CONFIG_FILENAME).write_text(json.dumps(config))
   loaded = checkpointing.load_config(tmp_path)
   assert loaded.model.num_attention_heads == 4 and 'num_heads' not in loaded.model
+
+
+@pytest.mark.parametrize('damage,message', [
+    (lambda c: c['model'].pop('embed_dim'), 'lacks the model keys embed_dim'),
+    (lambda c: c.pop('model'), 'has no "model" section'),
+])
+def test_a_config_with_missing_keys_is_named(tmp_path, damage, message):
+  config = _config().to_dict()
+  damage(config)
+  path = tmp_path / checkpointing.CONFIG_FILENAME
+  path.write_text(json.dumps(config))
+  with pytest.raises(checkpointing.CheckpointError, match=f'{path} {message}'):
+    checkpointing.load_config(tmp_path)
+
+
+def _workdir(path):
+  path.mkdir(parents=True)
+  (path / checkpointing.CONFIG_FILENAME).write_text(json.dumps(_config().to_dict()))
+  return path
+
+
+def test_base_json_is_relative_so_the_pair_can_move(tmp_path):
+  base, heads = _workdir(tmp_path / 'a' / 'runs' / 'base'), _workdir(tmp_path / 'a' / 'heads')
+  checkpointing.write_base_reference(heads, base)
+  assert json.loads((heads / 'base.json').read_text())['base_workdir'] == '../runs/base'
+  (tmp_path / 'a').rename(tmp_path / 'b')
+  assert checkpointing.base_reference(tmp_path / 'b' / 'heads') == tmp_path / 'b' / 'runs' / 'base'
+
+
+def test_base_json_far_away_is_absolute_and_old_files_still_work(tmp_path):
+  base, heads = _workdir(tmp_path / 'base'), _workdir(tmp_path / 'x' / 'y' / 'z' / 'heads')
+  checkpointing.write_base_reference(heads, base)
+  assert json.loads((heads / 'base.json').read_text())['base_workdir'] == str(base)
+  # As written before base.json held relative paths.
+  (heads / 'base.json').write_text(json.dumps({'base_workdir': str(base),
+                                               'checkpoints_hold': 'heads'}))
+  assert checkpointing.base_reference(heads) == base
+
+
+def test_a_missing_base_is_named_with_how_to_point_at_it(tmp_path):
+  base, heads = _workdir(tmp_path / 'base'), _workdir(tmp_path / 'heads')
+  checkpointing.write_base_reference(heads, base)
+  base.rename(tmp_path / 'elsewhere')
+  with pytest.raises(checkpointing.CheckpointError,
+                     match=f'{base} is not an mtp workdir.*set "base_workdir" in '
+                           f'{heads / "base.json"}'):
+    checkpointing.base_reference(heads)

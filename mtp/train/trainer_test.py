@@ -330,3 +330,18 @@ def test_a_failed_first_run_leaves_no_config(tmp_path):
     trainer_lib.train_and_evaluate(_config(**{'data.corpus': str(tmp_path / 'typo')}), workdir)
   assert not (workdir / checkpointing.CONFIG_FILENAME).exists()
   trainer_lib.check_workdir_matches(workdir, _config())  # No mismatch to refuse.
+
+
+def test_a_heads_workdir_and_its_base_can_move_together(trained_workdir, tmp_path):
+  import mtp
+  shutil.copytree(trained_workdir, tmp_path / 'a' / 'base')
+  config = _config(**{'init_from': str(tmp_path / 'a' / 'base'), 'optim.mode': 'frozen_trunk',
+                      'num_train_steps': 1, 'eval_steps': 0})
+  trainer_lib.train_and_evaluate(config, tmp_path / 'a' / 'heads')
+  (tmp_path / 'a').rename(tmp_path / 'b')
+  loaded, source = mtp.load(tmp_path / 'b' / 'heads'), mtp.load(trained_workdir)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(loaded.model.trunk),
+               nnx.state(source.model.trunk))
+  shutil.rmtree(tmp_path / 'b' / 'base')
+  with pytest.raises(checkpointing.CheckpointError, match='base_workdir'):
+    mtp.load(tmp_path / 'b' / 'heads')
