@@ -19,6 +19,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import launch
+from launch import cli
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/code_small.py', 'Training config file.')
@@ -123,7 +124,11 @@ def main(argv):
   workdir = pathlib.Path(FLAGS.workdir)
   print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads jointly '
         f'with the trunk on the standard library ({config.num_train_steps} steps) in {workdir}')
-  trainer.train_and_evaluate(config, workdir)
+  from mtp.train import preemption
+  try:
+    trainer.train_and_evaluate(config, workdir)
+  except preemption.Preempted as e:  # Saved: the same command resumes.
+    cli.fail('launch.demo', e, cli.PREEMPTED)
   records = writers.read_metrics(workdir)
   num_heads = config.model.mtp_num_heads
   print_learning_curve(records, num_heads)
