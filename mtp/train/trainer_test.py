@@ -305,7 +305,8 @@ def test_divergence_stops_naming_the_step_and_keeps_the_good_checkpoints(tmp_pat
   _nan_loss_at(monkeypatch, list(range(5, 9)))
   config = _config(**{'num_train_steps': 8, 'checkpoint_every_steps': 2, 'keep_checkpoints': 2,
                       'log_every_steps': 100, 'eval_steps': 0})
-  with pytest.raises(divergence.DivergenceError, match=r'diverged at step 5 \(grad_norm nan, loss nan\)'):
+  with pytest.raises(divergence.DivergenceError,
+                     match=r'diverged at step 5 \(grad_norm nan, loss nan\)'):
     trainer_lib.train_and_evaluate(config, tmp_path)
   assert checkpointing.Checkpointer(tmp_path, read_only=True).all_steps() == [2, 4]
 
