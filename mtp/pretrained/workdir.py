@@ -117,24 +117,26 @@ def import_weights(source: str | os.PathLike, workdir: str | os.PathLike) -> pat
   """
   workdir = pathlib.Path(workdir).absolute()
   check_target(workdir)
-  with workdir_lock.WorkdirLock(workdir):
-    return _import_weights(source, workdir)
-
-
-def _import_weights(source: str | os.PathLike, workdir: pathlib.Path) -> pathlib.Path:
-  check_target(workdir)
   checkpoint = read_source(resolve_source(source))
   config = make_config(checkpoint)
   params = make_params(checkpoint, config)
   checkpoint.tensors = {}  # The parameters hold the weights now.
 
   workdir.parent.mkdir(parents=True, exist_ok=True)
+  with workdir_lock.WorkdirLock(workdir):  # No trainer nor other import writes there meanwhile.
+    _write(workdir, config, checkpoint.tokenizer, params)
+  return workdir
+
+
+def _write(workdir: pathlib.Path, config: ml_collections.ConfigDict, tokenizer,
+           params: nnx.State) -> None:
+  """Builds the workdir in a staging sibling and renames it into place."""
   staging = workdir.with_name(f'.{workdir.name}.importing-{os.getpid()}')
   shutil.rmtree(staging, ignore_errors=True)
   try:
     staging.mkdir()
     checkpointing.save_config(staging, config)
-    checkpoint.tokenizer.save(staging)
+    tokenizer.save(staging)
     checkpointer = checkpointing.Checkpointer(staging, max_to_keep=1, async_save=False)
     try:
       checkpointer.save_params(0, params)
@@ -147,4 +149,3 @@ def _import_weights(source: str | os.PathLike, workdir: pathlib.Path) -> pathlib
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  return workdir
