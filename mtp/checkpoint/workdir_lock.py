@@ -4,11 +4,12 @@ Training and `launch.import_weights` hold it while they write (in a multi-host r
 does). The file records the holder (pid, host, command, start time) and is removed on exit.
 
 On a local file system the file is also `flock`ed, so the kernel releases the lock when its
-holder dies; a lock file whose pid no longer runs on this host is stale, and is taken over with
-a warning. A lock held by a live process, or by one on another host (which this host cannot
-check), is refused with an error naming the holder and saying how to clear it: delete the file.
-On an object store (`gs://...`) the file is a best-effort marker, checked and written through
-`etils.epath` without atomicity.
+holder dies: a file left by a process of this host that died (kill -9) is stale, and is taken
+over with a warning. A lock held by a live process, or recorded by one on another host (which
+this host cannot check), is refused with an error naming the holder and saying how to clear it:
+delete the file. On an object store (`gs://...`) the file is a best-effort marker, checked and
+written through `etils.epath` without atomicity; there a recorded pid that is dead on this host
+makes it stale.
 
 The lock sits beside the workdir, not in it, so that an import can still build its workdir in
 a staging directory and rename it into place, and a copied workdir carries no lock along.

@@ -176,7 +176,8 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
           checkpointer.save(step, init.saved_params(config, state.params), state.opt_state,
                             iterator, force=True)
         if stop.requested:
-          preempted_at = step
+          if step < config.num_train_steps:  # Else it finished all the same.
+            preempted_at = step
           break
   finally:
     checkpointer.close()
