@@ -14,9 +14,12 @@ stdout. --stream prints each completion as its tokens are accepted (prompts in o
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import pathlib
 import sys
+import tempfile
 
 from absl import app
 from absl import flags
@@ -50,8 +53,13 @@ flags.mark_flag_as_required('workdir')
 def read_prompt_file(path: str | pathlib.Path) -> list[str]:
   """Prompts from a JSONL file of {"prompt": "..."} objects; errors name the line."""
   prompts = []
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, 1):
+  with open(path, 'rb') as f:
+    for number, raw in enumerate(f, 1):
+      try:
+        line = raw.decode('utf-8')
+      except UnicodeDecodeError as e:
+        raise ValueError(f'{path}:{number}: not UTF-8 text (byte {raw[e.start]:#04x} at '
+                         f'column {e.start + 1})') from None
       if not line.strip():
         continue
       try:
@@ -80,6 +88,29 @@ def parse_tree(value: str | None):
   if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
     raise ValueError(f'--tree choices must be a JSON list of lists of ranks, got {value!r}')
   return [tuple(c) for c in choices]
+
+
+class OutputFile:
+  """An output path checked up front and written atomically at the end.
+
+  Creating the temporary sibling now proves the directory is writable before anything is
+  decoded; `commit` renames it over the path, so a failed run never leaves half a file.
+  """
+
+  def __init__(self, path: str | pathlib.Path):
+    self.path = pathlib.Path(path)
+    if self.path.is_dir():
+      raise ValueError(f'--output {self.path} is a directory; give a file path')
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f'.{self.path.name}.', suffix='.tmp',
+                                    dir=self.path.parent)
+    os.close(handle)
+    self._tmp = pathlib.Path(name)
+    atexit.register(self._tmp.unlink, missing_ok=True)  # Whatever happens before commit.
+
+  def commit(self, text: str) -> None:
+    self._tmp.write_text(text, encoding='utf-8')
+    os.replace(self._tmp, self.path)
 
 
 class OrderedPrinter:
@@ -119,30 +150,24 @@ def main(argv):
   launch.quiet_library_logs()
   if not FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Checkpoint restore logs would bury the output.
-  try:
+  with launch.UserError('launch.generate'):
     prompts = ([FLAGS.prompt] if FLAGS.prompt is not None
                else read_prompt_file(FLAGS.prompt_file))
     tree = parse_tree(FLAGS.tree)
-  except (OSError, ValueError) as e:
-    raise SystemExit(f'launch.generate: {e}') from None
+    # Before any decoding: an output that cannot be written would throw the run away.
+    output = OutputFile(FLAGS.output) if FLAGS.output else None
 
-  import mtp  # After flag parsing: importing JAX is slow.
-  printer = OrderedPrinter(prompts) if FLAGS.stream else None
-  try:
+    import mtp  # After flag parsing: importing JAX is slow.
+    printer = OrderedPrinter(prompts) if FLAGS.stream else None
     generations = mtp.generate(
         FLAGS.workdir, prompts, max_new_tokens=FLAGS.max_new_tokens, decoder=FLAGS.decoder,
         temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
         tree=tree, lookup=FLAGS.lookup, batch_size=FLAGS.batch_size, on_text=printer,
         steps_per_chunk=FLAGS.steps_per_chunk)
-  except ValueError as e:  # Bad input, found before anything was compiled.
-    raise SystemExit(f'launch.generate: {e}') from None
-
-  lines = ''.join(json.dumps(g.to_json(), ensure_ascii=False) + '\n' for g in generations)
-  if FLAGS.output:
-    output = pathlib.Path(FLAGS.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(lines, encoding='utf-8')
-  elif not FLAGS.stream:
+    lines = ''.join(json.dumps(g.to_json(), ensure_ascii=False) + '\n' for g in generations)
+    if output is not None:
+      output.commit(lines)
+  if output is None and not FLAGS.stream:
     sys.stdout.write(lines)
   total = sum(len(g.tokens) for g in generations)
   # Rows of a batch share its wall time: count each batch once.

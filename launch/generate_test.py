@@ -1,6 +1,7 @@
 """launch.generate end to end on a tiny model trained for 2 steps."""
 
 import json
+import re
 
 import pytest
 from absl import flags
@@ -91,3 +92,46 @@ def test_tree_flag_parsing():
   assert generate.parse_tree('[[0], [0, 1]]') == [(0,), (0, 1)]
   with pytest.raises(ValueError, match='JSON choices'):
     generate.parse_tree('bushy')
+
+
+def test_non_utf8_prompt_file_names_the_line(tmp_path):
+  path = tmp_path / 'latin1.jsonl'
+  path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+  with pytest.raises(ValueError, match=r'latin1.jsonl:2: not UTF-8 text \(byte 0xe9'):
+    generate.read_prompt_file(path)
+
+
+@pytest.mark.parametrize('argv,message', [
+    # The output is checked before anything is decoded (the workdir does not even exist).
+    (['--workdir=/nonexistent', '--prompt=x', '--output={tmp}/a_file/out.jsonl'],
+     'launch.generate: .*a_file'),
+    (['--workdir={workdir}', '--prompt=x', '--tree=[[0], [99999999999]]'],
+     r'launch.generate: tree path \[99999999999\] has rank 99999999999 outside'),
+    (['--workdir={workdir}', '--prompt=x', '--tree=[[0.5]]'],
+     'launch.generate: tree path .* not an integer: 0.5'),
+    (['--workdir={workdir}', '--prompt=x', '--lookup=65'],
+     r'launch.generate: lookup \(--lookup\) must be at most 64'),
+    (['--workdir={workdir}', '--prompt=x', '--lookup=65', '--decoder=autoregressive'],
+     r'launch.generate: lookup \(--lookup\) must be at most 64'),
+    (['--workdir={tmp}', '--prompt=x'], 'launch.generate: .*config.json does not exist'),
+])
+@flagsaver.flagsaver
+def test_errors_are_one_line_and_exit_non_zero(workdir, tmp_path, capsys, monkeypatch, argv,
+                                               message):
+  monkeypatch.delenv('MTP_TRACEBACK', raising=False)
+  (tmp_path / 'a_file').write_text('not a directory')
+  argv = [a.format(tmp=tmp_path, workdir=workdir) for a in argv]
+  with pytest.raises(SystemExit) as exit_info:
+    _run(argv)
+  assert isinstance(exit_info.value.code, str)  # absl prints it to stderr and exits with 1.
+  assert re.match(message, exit_info.value.code), exit_info.value.code
+  assert '\n' not in exit_info.value.code and 'Traceback' not in capsys.readouterr().err
+  assert not list(tmp_path.glob('a_file*/**/*.tmp'))
+
+
+@flagsaver.flagsaver
+def test_output_is_written_whole_or_not_at_all(workdir, tmp_path):
+  out = tmp_path / 'deep' / 'out.jsonl'
+  with pytest.raises(SystemExit):  # Fails after the output was checked: nothing is left.
+    _run([f'--workdir={workdir}', '--prompt=x', f'--output={out}', '--temperature=-1'])
+  assert not out.exists()

@@ -173,7 +173,7 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   request = request_lib.make_request(
       model.cfg, padded.shape[1], max_new_tokens=max_new_tokens, decoder=decoder,
       tree=_tree(loaded, tree, batch_size) if spec.drafts else tree, lookup=lookup,
-      temperature=temperature, top_k=top_k, top_p=top_p)
+      temperature=temperature, top_k=top_k, top_p=top_p, **_emittable(tokenizer, model.cfg))
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
 
   prepared = state_lib.prepare(model)
@@ -227,7 +227,18 @@ def _generation(out: state_lib.DecodeResult, row: int, prompt: str, num_prompt_t
       finish_reason='eos' if generated and generated[-1] == tokenizer.eos_id else 'length')
 
 
+def _emittable(tokenizer: tokenizer_lib.Tokenizer, model_cfg) -> dict:
+  """Every decoder emits only ids the tokenizer decodes: not the output layer's spare ids past
+  the tokenizer's vocabulary, nor the pad id (unless it doubles as EOS, as in SmolLM2)."""
+  banned = () if tokenizer.pad_id in (None, tokenizer.eos_id) else (tokenizer.pad_id,)
+  return dict(vocab_limit=min(tokenizer.vocab_size, model_cfg.trunk.vocab_size),
+              banned_ids=banned)
+
+
 def _checked_texts(prompts) -> list[str]:
+  if prompts is None or not isinstance(prompts, (str, Sequence)):
+    raise ValueError(f'prompts must be a string or a list of strings, got '
+                     f'{type(prompts).__name__}')
   texts = [prompts] if isinstance(prompts, str) else list(prompts)
   if not texts:
     raise ValueError('prompts is empty: give at least one prompt')

@@ -90,6 +90,17 @@ def test_generate_streams_the_same_text(workdir):
   assert sorted(finished) == [0, 1, 2]
 
 
+def test_generate_emits_only_ids_the_tokenizer_decodes(workdir):
+  loaded = mtp.load(workdir)
+  tokenizer = loaded.tokenizer
+  assert tokenizer.vocab_size < loaded.model.cfg.trunk.vocab_size  # Spare output ids exist.
+  for temperature in (1e3, 1e-45):
+    for decoder in ('autoregressive', 'speculative'):
+      for g in mtp.generate(loaded, PROMPTS, max_new_tokens=16, temperature=temperature,
+                            decoder=decoder):
+        assert all(t < tokenizer.vocab_size and t != tokenizer.pad_id for t in g.tokens)
+
+
 def test_generate_sampling_is_seeded(workdir):
   loaded = mtp.load(workdir)
   run = lambda seed: [g.tokens for g in mtp.generate(
@@ -108,7 +119,13 @@ def test_generate_sampling_is_seeded(workdir):
     (dict(tree='bushy'), 'tree must be one of'),
     (dict(decoder='autoregressive', tree='default'), 'apply to the drafting decoders'),
     (dict(batch_size=0), 'batch_size'),
-    (dict(lookup=-1), 'lookup must be a non-negative integer'),
+    (dict(prompts=None), 'prompts must be a string or a list of strings'),
+    (dict(temperature='0.5'), 'temperature must be >= 0 .* a finite number'),
+    (dict(temperature=float('inf')), 'temperature must be >= 0 .* a finite number'),
+    (dict(tree=[[0.5]]), 'not an integer'),
+    (dict(tree=[[True]]), 'not an integer'),
+    (dict(lookup=-1), r'lookup \(--lookup\) must be a non-negative integer'),
+    (dict(lookup=1000), r'lookup \(--lookup\) must be at most'),
     (dict(lookup=3, temperature=0.7), 'verified greedily only'),
     (dict(lookup=3, decoder='autoregressive'), 'apply to the drafting decoders'),
 ])

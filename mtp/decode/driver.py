@@ -129,6 +129,15 @@ def _sample(rng: Array, logits: Array, request: DecodeRequest) -> Array:
                                     request.top_p)
 
 
+def _logits(model, normed: Array, request: DecodeRequest) -> Array:
+  """The trunk's logits [..., V] over the ids this request may emit."""
+  return _mask(model.logits(normed), request)
+
+
+def _mask(logits: Array, request: DecodeRequest) -> Array:
+  return sampling_lib.mask_vocab(logits, request.vocab_limit, request.banned_ids)
+
+
 def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_index: Array,
                  cache: kv_cache_lib.KVCache, lengths: Array):
   """`model.draft_logits` for the tree's heads; (None, cache) when no head drafts."""
@@ -138,7 +147,8 @@ def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_in
   b = tokens.shape[0]
   # Columns after the run: the heads' own drafts are written there in turn (sequential).
   tokens = jnp.concatenate([tokens, jnp.zeros((b, depth), tokens.dtype)], axis=1)
-  return model.draft_logits(features, tokens, last_index, cache, lengths, depth)
+  logits, cache = model.draft_logits(features, tokens, last_index, cache, lengths, depth)
+  return _mask(logits, request), cache
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'request'))
@@ -155,7 +165,8 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
                           with_heads=tree.head_depth > 0)
   last_index = lengths - 1
   rng, key = jax.random.split(rng)
-  first = _sample(key, model.logits(state_lib.gather_rows(out.normed, last_index)), request)
+  first = _sample(key, _logits(model, state_lib.gather_rows(out.normed, last_index), request),
+                  request)
   known = kv_cache_lib.write_rows(jnp.pad(prompts, ((0, 0), (0, 1))),
                                   first[:, None].astype(prompts.dtype), lengths)
   head_logits, cache = _head_logits(model, request, out.features, known, last_index, cache,
@@ -192,10 +203,10 @@ def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Arr
   out, cache = model.step(nodes, positions, s.cache, s.lengths, block_mask=mask,
                           with_heads=tree.head_depth > 0)
   if not request.drafts:  # Nothing to accept: the trunk's own token, as one-token decoding.
-    next_token = _sample(key, model.logits(out.normed[:, 0]), request)
+    next_token = _sample(key, _logits(model, out.normed[:, 0], request), request)
     zeros = jnp.zeros_like(s.lengths)
     return nodes, out, cache, zeros[:, None], zeros, next_token
-  logits = model.logits(out.normed)  # [B, N, V]: every node may be the one we continue from.
+  logits = _logits(model, out.normed, request)  # [B, N, V]: any node may be continued from.
   if not request.greedy:
     probs = sampling_lib.target_probs(logits, request.temperature, request.top_k,
                                       request.top_p)

@@ -4,6 +4,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from scipy import stats
 
 from mtp.decode import driver
 from mtp.decode import state as state_lib
@@ -49,3 +50,51 @@ def test_a_new_request_compiles_a_new_decoder(monkeypatch):
   driver.generate(model, prompts, max_new_tokens=MAX_NEW)
   with pytest.raises(AssertionError, match='traced'):  # The counter is live: it catches one.
     driver.generate(model, prompts, max_new_tokens=MAX_NEW + 1)
+
+
+# Ids a tokenizer of 50 ids with pad 0 can emit, from a model whose output layer has 61.
+VOCAB_LIMIT, PAD = 50, 0
+ROWS, NEW = 96, 3
+
+
+def _emitted(model, decoder, temperature, seed):
+  out = driver.generate(model, testing.random_tokens((ROWS, 4), 61, seed=9), max_new_tokens=NEW,
+                        decoder=decoder, temperature=temperature, rng=seed,
+                        vocab_limit=VOCAB_LIMIT, banned_ids=(PAD,))
+  return np.asarray(out.tokens)
+
+
+@pytest.mark.parametrize('temperature', [1e-45, 1e-30, 1e-10, 1.0, 1e3])
+def test_every_temperature_emits_decodable_ids_alike_in_both_decoders(temperature):
+  """Tiny temperatures once made the rejection sampler emit pad ids (softmax(logits / T) was
+  NaN); huge ones sampled ids past the tokenizer. Both decoders mask alike and agree."""
+  model = state_lib.PreparedModel(testing.tiny_model(0))
+  ar = _emitted(model, 'autoregressive', temperature, 1)
+  spec = _emitted(model, 'speculative', temperature, 2)
+  for tokens in (ar, spec):
+    assert np.all((tokens > PAD) & (tokens < VOCAB_LIMIT)), np.unique(tokens)
+  if temperature <= 1e-10:  # Sampling at such temperatures is greedy decoding.
+    greedy = _emitted(model, 'autoregressive', 0.0, 0)
+    np.testing.assert_array_equal(ar, greedy)
+    np.testing.assert_array_equal(spec, greedy)
+  else:  # The same distribution: a two-sample chi-square test on every emitted token.
+    counts = np.stack([np.bincount(t.ravel(), minlength=VOCAB_LIMIT) for t in (ar, spec)])
+    counts = counts[:, counts.sum(0) > 0]
+    assert stats.chi2_contingency(counts)[1] > 1e-4
+
+
+@pytest.mark.parametrize('options,message', [
+    (dict(temperature=float('inf')), 'temperature must be >= 0 .* a finite number'),
+    (dict(temperature='0.5'), 'temperature must be >= 0 .* a finite number'),
+    (dict(temperature=True), 'temperature must be >= 0 .* a finite number'),
+    (dict(top_p='1'), 'top_p must be in'),
+    (dict(lookup=65), r'lookup \(--lookup\) must be at most 64'),
+    (dict(lookup=65, decoder='autoregressive'), r'lookup \(--lookup\) must be at most 64'),
+    (dict(tree=[[0], [2 ** 40]]), 'outside'),
+    (dict(vocab_limit=62), 'vocab_limit must be an integer in'),
+    (dict(banned_ids=(61,)), 'outside the vocabulary'),
+])
+def test_bad_options_are_named(options, message):
+  with pytest.raises(ValueError, match=message):
+    driver.generate(testing.tiny_model(0), testing.random_tokens((1, 4), 61), max_new_tokens=2,
+                    **options)

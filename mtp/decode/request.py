@@ -41,6 +41,9 @@ class DecodeRequest:
     temperature, top_k, top_p: 0 = greedy; else the target distribution's shaping.
     draft_hook: replaces the drafts before each verification (tests); None in normal use.
     mesh: shard rows and the KV cache over it (None: one device).
+    vocab_limit: ids >= this are never emitted nor drafted (the model's output layer may be
+      wider than its tokenizer); None: every id.
+    banned_ids: ids never emitted nor drafted (the pad id).
   """
   max_new_tokens: int
   capacity: int
@@ -50,6 +53,13 @@ class DecodeRequest:
   top_p: float = 1.0
   draft_hook: DraftHook | None = None
   mesh: jax.sharding.Mesh | None = None
+  vocab_limit: int | None = None
+  banned_ids: tuple[int, ...] = ()
+
+  @property
+  def masks_vocab(self) -> bool:
+    """Whether some ids are never emitted (`vocab_limit`, `banned_ids`)."""
+    return self.vocab_limit is not None or bool(self.banned_ids)
 
   @property
   def depth(self) -> int:
@@ -69,7 +79,8 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
                  decoder: str = decoders.DEFAULT, tree: TreeChoice = None, lookup: int = 0,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  cache_capacity: int | None = None, draft_hook: DraftHook | None = None,
-                 mesh: jax.sharding.Mesh | None = None) -> DecodeRequest:
+                 mesh: jax.sharding.Mesh | None = None, vocab_limit: int | None = None,
+                 banned_ids: Sequence[int] = ()) -> DecodeRequest:
   """Checks a user's decode options and returns the request they describe.
 
   Args:
@@ -86,6 +97,8 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
     cache_capacity: KV slots (None: just enough); fix it to share compilations.
     draft_hook: replaces the drafts before each verification (tests).
     mesh: shard the rows and the KV cache over it.
+    vocab_limit: never emit ids >= this (a tokenizer smaller than the output layer).
+    banned_ids: never emit these ids (a pad id that is not also EOS).
 
   Raises:
     ValueError naming the bad option.
@@ -95,7 +108,11 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
   _check_positive_int('max_new_tokens', max_new_tokens)
   sampling_lib.validate_sampling(temperature, top_k, top_p, trunk.vocab_size)
   if isinstance(lookup, bool) or not isinstance(lookup, numbers.Integral) or lookup < 0:
-    raise ValueError(f'lookup must be a non-negative integer, got {lookup!r}')
+    raise ValueError(f'lookup (--lookup) must be a non-negative integer, got {lookup!r}')
+  longest_lookup = min(MAX_LOOKUP, trunk.max_seq_len)
+  if lookup > longest_lookup:
+    raise ValueError(f'lookup (--lookup) must be at most {longest_lookup} drafts, got {lookup}')
+  vocab_limit, banned_ids = _check_vocab_mask(vocab_limit, banned_ids, trunk.vocab_size)
   if spec.drafts:
     candidates = resolve_tree(model_cfg.mtp_num_heads, tree, int(lookup))
   elif tree is not None or lookup:
@@ -115,7 +132,23 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
       capacity=_capacity(prompt_width, int(max_new_tokens), candidates.num_nodes,
                          cache_capacity),
       tree=candidates, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-      draft_hook=draft_hook, mesh=mesh)
+      draft_hook=draft_hook, mesh=mesh, vocab_limit=vocab_limit, banned_ids=banned_ids)
+
+
+def _check_vocab_mask(vocab_limit, banned_ids, vocab_size: int):
+  if vocab_limit is not None:
+    if (isinstance(vocab_limit, bool) or not isinstance(vocab_limit, numbers.Integral)
+        or not 1 <= vocab_limit <= vocab_size):
+      raise ValueError(f'vocab_limit must be an integer in [1, {vocab_size}], got '
+                       f'{vocab_limit!r}')
+    vocab_limit = None if vocab_limit == vocab_size else int(vocab_limit)
+  banned = tuple(sorted({int(i) for i in banned_ids}))
+  if any(not 0 <= i < vocab_size for i in banned):
+    raise ValueError(f'banned_ids {list(banned)} reach outside the vocabulary [0, {vocab_size})')
+  allowed = vocab_limit or vocab_size
+  if len([i for i in banned if i < allowed]) >= allowed:
+    raise ValueError('banned_ids and vocab_limit leave no token to emit')
+  return vocab_limit, banned
 
 
 def resolve_tree(num_heads: int, tree: TreeChoice, lookup: int = 0) -> trees_lib.Tree:
@@ -146,8 +179,6 @@ def resolve_tree(num_heads: int, tree: TreeChoice, lookup: int = 0) -> trees_lib
   if tree.head_depth < 1:
     raise ValueError('the candidate tree has no drafted nodes')
   tree.check_num_heads(num_heads)
-  if lookup > MAX_LOOKUP:
-    raise ValueError(f'lookup must be at most {MAX_LOOKUP} drafts, got {lookup}')
   if lookup:
     tree = trees_lib.with_lookup(tree, lookup)
   return tree

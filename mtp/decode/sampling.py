@@ -17,6 +17,7 @@ distribution of the token that follows it. Position 0 / node 0 is the last accep
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -29,18 +30,34 @@ _NEG_INF = -jnp.inf
 
 
 def validate_sampling(temperature, top_k, top_p, vocab_size: int | None = None) -> None:
-  """Raises ValueError naming the bad value: temperature < 0, top_p not in (0, 1], top_k < 0
-  or top_k > vocab_size."""
-  if not temperature >= 0:  # Also catches NaN.
-    raise ValueError(f'temperature must be >= 0 (0 = greedy), got {temperature}')
-  if not 0 < top_p <= 1:
-    raise ValueError(f'top_p must be in (0, 1] (1 = off), got {top_p}')
+  """Raises ValueError naming the bad value: temperature not a finite number >= 0, top_p not
+  in (0, 1], top_k not an integer in [0, vocab_size]."""
+  if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
+      or not 0 <= temperature < math.inf):  # Also catches NaN.
+    raise ValueError(f'temperature must be >= 0 (0 = greedy) and a finite number, got '
+                     f'{temperature!r}')
+  if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+    raise ValueError(f'top_p must be in (0, 1] (1 = off), got {top_p!r}')
   if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
     raise ValueError(f'top_k must be an integer (0 = off), got {top_k!r}')
   if top_k < 0:
     raise ValueError(f'top_k must be >= 0 (0 = off), got {top_k}')
   if vocab_size is not None and top_k > vocab_size:
     raise ValueError(f'top_k must be <= the vocabulary size {vocab_size}, got {top_k}')
+
+
+def mask_vocab(logits: jnp.ndarray, vocab_limit: int | None,
+               banned_ids: tuple[int, ...]) -> jnp.ndarray:
+  """logits [..., V] with ids >= vocab_limit and `banned_ids` at -inf (static settings).
+
+  Applied to the trunk's logits before sampling or acceptance, and to the heads' before
+  drafting, so every decoder emits only ids the tokenizer can decode.
+  """
+  if vocab_limit is None and not banned_ids:
+    return logits
+  allowed = np.arange(logits.shape[-1]) < (vocab_limit or logits.shape[-1])
+  allowed[list(banned_ids)] = False
+  return jnp.where(jnp.asarray(allowed), logits, _NEG_INF)
 
 
 def _is_greedy(temperature) -> bool:
@@ -73,7 +90,12 @@ def shape_logits(logits: jnp.ndarray, temperature: float = 1.0, top_k: int = 0,
     keep = jnp.arange(logits.shape[-1]) == best[..., None]
     return jnp.where(keep, logits, _NEG_INF)
   if temperature != 1:
-    logits = logits / temperature
+    # In a form that stays finite for any temperature > 0: the top logit becomes exactly 0 and
+    # the others x / T <= 0, which may underflow to -inf but never gives inf - inf = NaN (a plain
+    # softmax(logits / 1e-10) does on float32, and a temperature that rounds to 0 in float32
+    # would divide 0 by 0).
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where(shifted == 0, 0.0, shifted / jnp.float32(temperature))
   use_k = 0 < top_k < logits.shape[-1]
   use_p = top_p < 1
   if not (use_k or use_p):

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import numbers
 from typing import Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 Path = tuple[int, ...]
+# A rank is an index into a head's top-k candidates: far below any vocabulary. The bound keeps
+# every array of the tree within int32.
+_MAX_RANK = 2 ** 20
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -99,14 +103,17 @@ class Tree:
 def _validate_choices(choices: Sequence[Sequence[int]]) -> tuple[Path, ...]:
   paths = []
   for c in choices:
-    try:
-      p = tuple(int(r) for r in c)
-    except TypeError:
-      raise ValueError(f'each tree path must be a tuple of ranks, got {c!r}') from None
+    if isinstance(c, (str, bytes)) or not isinstance(c, Sequence):
+      raise ValueError(f'each tree path must be a sequence of ranks, got {c!r}')
+    for r in c:
+      # Ranks are whole numbers: 0.5 or True is a typo, not rank 0 or 1.
+      if isinstance(r, bool) or not isinstance(r, (numbers.Integral, np.integer)):
+        raise ValueError(f'tree path {list(c)} has a rank that is not an integer: {r!r}')
+      if not 0 <= r < _MAX_RANK:
+        raise ValueError(f'tree path {list(c)} has rank {r} outside [0, {_MAX_RANK})')
+    p = tuple(int(r) for r in c)
     if not p:
       raise ValueError('tree paths must be non-empty (the root is implicit)')
-    if any(r < 0 for r in p):
-      raise ValueError(f'tree path {p} has a negative rank')
     paths.append(p)
   seen = set()
   for p in paths:

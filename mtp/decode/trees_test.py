@@ -80,10 +80,16 @@ def test_not_prefix_closed():
 def test_bad_paths():
   with pytest.raises(ValueError, match='more than once'):
     trees.tree_from_choices([(0,), (0,)])
-  with pytest.raises(ValueError, match='negative'):
+  with pytest.raises(ValueError, match=r'rank -1 outside \[0, '):
     trees.tree_from_choices([(-1,)])
   with pytest.raises(ValueError, match='non-empty'):
     trees.tree_from_choices([()])
+  # Once read as rank 0 (0.5, True) or crashed with an OverflowError (a huge rank).
+  for bad, match in ([[0.5]], 'not an integer: 0.5'), ([[0], [True]], 'not an integer: True'), (
+      [[0], [99999999999]], 'rank 99999999999 outside'), (['01'], 'sequence of ranks'):
+    with pytest.raises(ValueError, match=match):
+      trees.tree_from_choices(bad)
+  assert trees.tree_from_choices([[np.int64(0)], (np.int32(1),)]).num_nodes == 3
 
 
 def test_too_deep():
