@@ -43,6 +43,7 @@ def load(workdir: str | os.PathLike, step: int | None = None,
   Raises:
     checkpointing.CheckpointError: the workdir, its config, tokenizer or checkpoint is missing
       or unreadable (the message names which).
+    ValueError: the tokenizer file is corrupt (the message names it).
   """
   workdir = pathlib.Path(workdir)
   config = checkpointing.load_config(workdir)
