@@ -1,4 +1,6 @@
-"""How the launch scripts fail: one line on stderr and an exit code a scheduler can act on.
+"""How launch.train and launch.import_weights fail: one line on stderr and an exit code a
+scheduler can act on (`launch.UserError` is the same for errors alone; these add the codes of
+training and the flag parser's).
 
 Exit codes (README.md, "Exit codes"):
   0    done
@@ -13,33 +15,28 @@ The traceback is printed too with `--verbosity=1` (or higher) or the environment
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from typing import Callable, NoReturn, Sequence
 
 from absl import flags
 
+import launch
+
 OK = 0
-ERROR = 1
-USAGE = 2
+ERROR = launch.EXIT_ERROR  # 1, as `launch.UserError` exits (launch.generate)
+USAGE = launch.EXIT_USAGE  # 2
 DIVERGED = 3
 PREEMPTED = 143
 
 
-def wants_traceback() -> bool:
-  if os.environ.get('MTP_TRACEBACK', '') not in ('', '0'):
-    return True
-  try:
-    return flags.FLAGS.verbosity >= 1
-  except (flags.UnparsedFlagAccessError, AttributeError):
-    return False
-
-
 def fail(program: str, error: BaseException, code: int = ERROR) -> NoReturn:
-  """Exits with `code` after one line naming `error` (and its traceback, if wanted)."""
-  if wants_traceback():
+  """Exits with `code` after one line naming `error` (and its traceback, if
+  `launch.show_traceback()`)."""
+  if launch.show_traceback():
     traceback.print_exception(error)
+  if isinstance(error, KeyError) and error.args:  # Not its repr, quotes and all.
+    error = error.args[0]
   message = f'{program}: {error}'
   if code == ERROR:
     raise SystemExit(message) from None  # Python prints it and exits with 1.

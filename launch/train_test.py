@@ -53,7 +53,7 @@ def test_each_failure_is_one_line_and_its_exit_code(tmp_path, monkeypatch, capsy
   monkeypatch.delenv('MTP_TRACEBACK', raising=False)
   with pytest.raises(SystemExit) as e:
     _main(tmp_path)
-  line = f'launch.train: {error}'
+  line = f'launch.train: {error.args[0] if isinstance(error, KeyError) else error}'
   if code == cli.ERROR:
     assert e.value.code == line
   else:
