@@ -1,6 +1,4 @@
-"""How launch.train and launch.import_weights fail: one line on stderr and an exit code a
-scheduler can act on (`launch.UserError` is the same for errors alone; these add the codes of
-training and the flag parser's).
+"""How the launchers fail: one line on stderr and an exit code a scheduler can act on.
 
 Exit codes (README.md, "Exit codes"):
   0    done
@@ -15,25 +13,52 @@ The traceback is printed too with `--verbosity=1` (or higher) or the environment
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import Callable, NoReturn, Sequence
 
 from absl import flags
-
-import launch
+from absl import logging
 
 OK = 0
-ERROR = launch.EXIT_ERROR  # 1, as `launch.UserError` exits (launch.generate)
-USAGE = launch.EXIT_USAGE  # 2
+ERROR = 1
+USAGE = 2
 DIVERGED = 3
 PREEMPTED = 143
 
 
+def show_traceback() -> bool:
+  """Tracebacks are for developers: `--verbosity=1` (or higher) or MTP_TRACEBACK=1 asks."""
+  return os.environ.get('MTP_TRACEBACK', '') not in ('', '0') or logging.get_verbosity() >= 1
+
+
+class UserErrors:
+  """`with UserErrors('launch.generate'):` turns the errors a user can fix (bad input, a
+  missing or corrupt file) into `fail(program, error)`; anything else is a bug and keeps its
+  traceback."""
+  # CheckpointError and WorkdirLockedError are matched by name: this module imports nothing of
+  # mtp, so that the launchers parse their flags before JAX starts.
+  _CAUGHT = (ValueError, OSError, OverflowError, KeyError)
+  _CAUGHT_NAMES = ('CheckpointError', 'WorkdirLockedError')
+
+  def __init__(self, program: str):
+    self.program = program
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, error, tb):
+    if error is not None and (isinstance(error, self._CAUGHT)
+                              or type(error).__name__ in self._CAUGHT_NAMES):
+      fail(self.program, error)
+    return False
+
+
 def fail(program: str, error: BaseException, code: int = ERROR) -> NoReturn:
   """Exits with `code` after one line naming `error` (and its traceback, if
-  `launch.show_traceback()`)."""
-  if launch.show_traceback():
+  `show_traceback()`)."""
+  if show_traceback():
     traceback.print_exception(error)
   if isinstance(error, KeyError) and error.args:  # Not its repr, quotes and all.
     error = error.args[0]

@@ -26,9 +26,11 @@ from absl import flags
 from absl import logging
 
 import launch
+from launch import cli
 from mtp.decode import decoders
 
 FLAGS = flags.FLAGS
+PROGRAM = 'launch.generate'
 flags.DEFINE_string('workdir', None, 'Trained workdir (checkpoints, config, tokenizer).')
 flags.DEFINE_string('prompt', None, 'One prompt.')
 flags.DEFINE_string('prompt_file', None, 'JSONL file, one {"prompt": "..."} per line.')
@@ -144,13 +146,13 @@ class OrderedPrinter:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
   if (FLAGS.prompt is None) == (FLAGS.prompt_file is None):
-    raise app.UsageError('Give exactly one of --prompt and --prompt_file.')
+    raise app.UsageError('Give exactly one of --prompt and --prompt_file.', exitcode=cli.USAGE)
   launch.quiet_library_logs()
   if not FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Checkpoint restore logs would bury the output.
-  with launch.UserError('launch.generate'):
+  with cli.UserErrors(PROGRAM):
     prompts = ([FLAGS.prompt] if FLAGS.prompt is not None
                else read_prompt_file(FLAGS.prompt_file))
     tree = parse_tree(FLAGS.tree)
@@ -179,4 +181,4 @@ def main(argv):
         file=sys.stderr)
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(PROGRAM))
