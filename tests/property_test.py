@@ -28,7 +28,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import mtp
@@ -179,6 +179,26 @@ def _check_output(tokens, num_generated, max_new_tokens, eos_id):
     assert (tokens[row, n:] == 0).all()
 
 
+def _driver_example(bad: dict, **changes):
+  """A fixed example: valid settings but `changes` (the bad ones named in `bad`)."""
+  request = dict(prompts=np.arange(16).reshape(2, WIDTH), lengths=np.asarray([WIDTH, 3]),
+                 max_new_tokens=5, decoder='speculative', eos_id=None,
+                 options=dict(tree=None, lookup=0, temperature=0.0, top_k=0, top_p=1.0))
+  options = {k: changes.pop(k) for k in list(changes) if k in request['options']}
+  request.update(changes, bad=bad)
+  request['options'].update(options)
+  return example(request=request)
+
+
+# The issue's cases (issue 10: items 3, 4, 9 and 11), always run besides the drawn examples.
+@_driver_example({'lookup': 100_000}, lookup=100_000)
+@_driver_example({'lookup': 300}, lookup=300, decoder='autoregressive')
+@_driver_example({'tree': [[0], [99999999999]]}, tree=[[0], [99999999999]])
+@_driver_example({'tree': [[0.5]]}, tree=[[0.5]])
+@_driver_example({'tree': [[True]]}, tree=[[True]])
+@_driver_example({'temperature': '0.5'}, temperature='0.5')
+@_driver_example({'temperature': math.inf}, temperature=math.inf)
+@_driver_example({}, temperature=1e-30, top_k=5)
 @settings(max_examples=_examples(16))
 @given(request=_driver_request())
 def test_driver_generate_rejects_before_compiling_or_matches_autoregressive(request):
@@ -259,6 +279,20 @@ def _api_request(draw):
   return dict(prompts=prompts, decoder=decoder, kwargs=kwargs, bad=bad)
 
 
+def _api_example(bad: dict, prompts=('x = 1',), decoder='speculative', **kwargs):
+  kwargs = dict(dict(max_new_tokens=6, tree=None, lookup=0, temperature=0.0, batch_size=None),
+                **kwargs)
+  return example(request=dict(prompts=prompts, decoder=decoder, kwargs=kwargs, bad=bad))
+
+
+@_api_example({'prompts': None}, prompts=None)
+@_api_example({'temperature': '0.5'}, temperature='0.5')
+@_api_example({'tree': [[0], [99999999999]]}, tree=[[0], [99999999999]])
+@_api_example({'lookup': 10**9}, lookup=10**9, tree='auto').xfail(
+    raises=AssertionError,
+    reason=("open defect: mtp.generate(tree='auto', lookup=10**9) measures the heads' "
+            'accuracies and the verification cost (compiling and running the model) before it '
+            'refuses the lookup'))
 @settings(max_examples=_examples(10))
 @given(request=_api_request())
 def test_api_generate_rejects_before_compiling_or_matches_autoregressive(request,
