@@ -14,8 +14,9 @@
     an exception whose message names the file or a directory holding it inside the workdir.
     Never a crash, a hang (a watchdog ends the process) or a silently different result.
 
-Example counts: the `ci` profile (the default) runs a few examples per test; set
-`MTP_HYPOTHESIS_PROFILE=thorough` for about ten times as many:
+Example counts: the `ci` profile (the default) runs a few examples per test, the same ones on
+every run (derandomized: a stable, bounded CI); set `MTP_HYPOTHESIS_PROFILE=thorough` for about
+ten times as many, drawn afresh each run:
 
   MTP_HYPOTHESIS_PROFILE=thorough .venv/bin/python -m pytest -n 0 tests/fault_injection_test.py
 """
@@ -49,10 +50,10 @@ from mtp.train import trainer as trainer_lib
 from mtp.train import writers
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large]
-settings.register_profile('ci', max_examples=4, deadline=None, derandomize=True,
+settings.register_profile('ci', max_examples=4, deadline=None, derandomize=True, database=None,
                           print_blob=True, suppress_health_check=_HEALTH)
-settings.register_profile('thorough', max_examples=40, deadline=None, print_blob=True,
-                          suppress_health_check=_HEALTH)
+settings.register_profile('thorough', max_examples=40, deadline=None, database=None,
+                          print_blob=True, suppress_health_check=_HEALTH)
 _PROFILE = os.environ.get('MTP_HYPOTHESIS_PROFILE', 'ci')
 settings.load_profile(_PROFILE)
 _SCALE = {'ci': 1, 'thorough': 10}[_PROFILE]
