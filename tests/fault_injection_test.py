@@ -155,10 +155,11 @@ def test_sigkill_at_a_random_point_then_resume_is_exact(uninterrupted, tmp_path_
   flags += ['--config.mesh.data=1', '--config.eval_steps=0']
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or '',
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0.5', PYTHONPATH=str(ROOT))
-  process = subprocess.Popen(
-      [sys.executable, '-m', 'launch.train', f'--config={ROOT / "configs/tiny.py"}',
-       f'--workdir={workdir}', *flags], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-      stderr=subprocess.PIPE)
+  log = workdir.with_name(workdir.name + '.log')  # Not a pipe: a full one would block the run.
+  with open(log, 'wb') as out:
+    process = subprocess.Popen(
+        [sys.executable, '-m', 'launch.train', f'--config={ROOT / "configs/tiny.py"}',
+         f'--workdir={workdir}', *flags], cwd=ROOT, env=env, stdout=out, stderr=out)
   start = time.monotonic()
   try:
     while process.poll() is None and time.monotonic() - start < 120:
@@ -175,9 +176,9 @@ def test_sigkill_at_a_random_point_then_resume_is_exact(uninterrupted, tmp_path_
   finally:
     if process.poll() is None:
       process.kill()
-    _, stderr = process.communicate()
+    process.wait()
   killed = process.returncode == -signal.SIGKILL
-  assert killed or process.returncode == 0, stderr.decode(errors='replace')[-3000:]
+  assert killed or process.returncode == 0, log.read_text(errors='replace')[-3000:]
   event(f'killed={killed}, trigger={trigger}')
   with _watchdog(300):
     trainer_lib.train_and_evaluate(_config(**_KILL_OVERRIDES), workdir)
@@ -269,6 +270,8 @@ def _known_open_defect(relative: str, kind: str) -> str | None:
   """The open defect this corruption hits, or None."""
   if kind in ('flip', 'append') and '/ocdbt.process_0/d/' in relative:
     return 'flipped byte in an Orbax data chunk'
+  if kind == 'delete' and relative == 'heads/base.json':
+    return 'a heads-only workdir without base.json'
   return None
 
 
@@ -400,3 +403,16 @@ def test_a_flipped_byte_in_a_parameter_chunk_is_named(workdirs, tmp_path_factory
     chunks[-1].write_bytes(pristine)
     assert _corrupt(chunks[-1], 'flip', where, 0)
     _check_load('base', copy, chunks[-1], expected['base'])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    'open defect: a heads-only workdir (config init_from + optim.mode=frozen_trunk) whose '
+    'base.json is missing fails mtp.load with "checkpoints/<step>/params does not hold 20 of '
+    'the arrays the model wants ...: the checkpoint is of another model", which names neither '
+    'base.json nor the base workdir'))
+def test_a_heads_only_workdir_without_base_json_is_named(workdirs, tmp_path_factory):
+  """Deleting base.json: the load fails naming base.json (found by the load property test)."""
+  copy, _, expected = _copy(workdirs, tmp_path_factory)
+  path = copy / 'heads' / 'base.json'
+  path.unlink()
+  _check_load('heads', copy, path, expected['heads'])
