@@ -171,10 +171,15 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   padded, lengths = request_lib.check_prompts(
       padded, lengths, max_new_tokens=max_new_tokens, vocab_size=cfg.vocab_size,
       max_seq_len=cfg.max_seq_len, eos_id=tokenizer.eos_id)
+  options = dict(max_new_tokens=max_new_tokens, decoder=decoder, lookup=lookup,
+                 temperature=temperature, top_k=top_k, top_p=top_p,
+                 **_emittable(tokenizer, model.cfg))
+  if spec.drafts and isinstance(tree, str) and tree == 'auto':
+    # 'auto' measures the heads and the hardware (compiling the model): check the rest first.
+    request_lib.make_request(model.cfg, padded.shape[1], **options)
   request = request_lib.make_request(
-      model.cfg, padded.shape[1], max_new_tokens=max_new_tokens, decoder=decoder,
-      tree=_tree(loaded, tree, batch_size) if spec.drafts else tree, lookup=lookup,
-      temperature=temperature, top_k=top_k, top_p=top_p, **_emittable(tokenizer, model.cfg))
+      model.cfg, padded.shape[1], tree=_tree(loaded, tree, batch_size) if spec.drafts else tree,
+      **options)
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
 
   prepared = state_lib.prepare(model)
