@@ -376,7 +376,7 @@ def resumed(workdirs, tmp_path_factory):
   return _flat_params(mtp.load(copy)), _losses(copy)
 
 
-@settings(max_examples=_examples(5))
+@settings(max_examples=_examples(3))
 @given(data=st.data(), kind=_CORRUPTIONS, where=st.floats(0, 1), seed=st.integers(0, 2**16))
 def test_resume_with_a_corrupt_file_is_identical_or_names_it(workdirs, resumed,
                                                              tmp_path_factory, data, kind,
