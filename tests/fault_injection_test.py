@@ -275,7 +275,7 @@ def _names(error: BaseException, path: pathlib.Path, workdir: pathlib.Path) -> b
 # drop its entry here so the property test covers that case again).
 def _known_open_defect(relative: str, kind: str) -> str | None:
   """The open defect this corruption hits, or None."""
-  if kind in ('flip', 'append') and '/ocdbt.process_0/d/' in relative:
+  if kind == 'flip' and '/ocdbt.process_0/d/' in relative:
     return 'flipped byte in an Orbax data chunk'
   if kind == 'delete' and relative == 'heads/base.json':
     return 'a heads-only workdir without base.json'
