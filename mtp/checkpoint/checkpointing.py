@@ -324,6 +324,13 @@ def _legacy_sources(directory: pathlib.Path, saved: dict, wanted: dict) -> dict:
   upgraded = _flat(heads_lib.upgrade_legacy_tree(nested))
   renamed = {path: leaf.path for path, leaf in upgraded.items()}
   missing = [path for path in wanted if path not in renamed]
+  if missing and all(p[0] == param_tree.TRUNK for p in missing) and not any(
+      p[0] == param_tree.TRUNK for p in saved):
+    workdir = directory.parents[2]  # <workdir>/checkpoints/<step>/<item>
+    raise CheckpointError(
+        f'{directory} holds heads only, and {workdir / BASE_FILENAME}, which names the workdir '
+        'holding their trunk, is missing: restore it as {"base_workdir": "<that workdir>", '
+        '"checkpoints_hold": "heads"}.')
   if missing:
     raise CheckpointError(
         f'{directory} does not hold {len(missing)} of the arrays the model wants, such as '
