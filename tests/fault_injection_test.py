@@ -277,8 +277,6 @@ def _known_open_defect(relative: str, kind: str) -> str | None:
   """The open defect this corruption hits, or None."""
   if kind == 'flip' and '/ocdbt.process_0/d/' in relative:
     return 'flipped byte in an Orbax data chunk'
-  if kind == 'delete' and relative == 'heads/base.json':
-    return 'a heads-only workdir without base.json'
   return None
 
 
@@ -426,13 +424,9 @@ def test_a_flipped_byte_in_a_parameter_chunk_is_named(workdirs, tmp_path_factory
     _check_load('base', copy, chunks[-1], expected['base'])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'open defect: a heads-only workdir (config init_from + optim.mode=frozen_trunk) whose '
-    'base.json is missing fails mtp.load with "checkpoints/<step>/params does not hold 20 of '
-    'the arrays the model wants ...: the checkpoint is of another model", which names neither '
-    'base.json nor the base workdir'))
 def test_a_heads_only_workdir_without_base_json_is_named(workdirs, tmp_path_factory):
-  """Deleting base.json: the load fails naming base.json (found by the load property test)."""
+  """Deleting base.json: the load fails naming base.json (found by the load property test; it
+  said 'the checkpoint is of another model')."""
   copy, _, expected = _copy(workdirs, tmp_path_factory)
   path = copy / 'heads' / 'base.json'
   path.unlink()
