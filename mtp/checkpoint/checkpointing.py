@@ -28,6 +28,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from mtp.checkpoint import fingerprint
 from mtp.checkpoint import param_tree
 from mtp.data import pipeline
 from mtp.model import heads as heads_lib
@@ -151,7 +152,8 @@ class Checkpointer:
 
   def save(self, step: int, params, opt_state, data_iterator=None, force: bool = False) -> bool:
     """Starts saving (asynchronously); the data iterator's state is captured now."""
-    items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state))
+    items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+                 fingerprints=_fingerprints_args(params=params, opt_state=opt_state))
     if data_iterator is not None:
       items['data'] = pipeline.iterator_checkpoint_args(data_iterator)
     return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -159,8 +161,9 @@ class Checkpointer:
   def save_params(self, step: int, params) -> bool:
     """Saves parameters alone (an imported model has no optimizer state or data position);
     `restore` without an optimizer state reads them."""
-    return self._manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
-                              force=True)
+    return self._manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), fingerprints=_fingerprints_args(params=params)),
+        force=True)
 
   def restore(self, step: int, params=None, opt_state=None, data_iterator=None):
     """Restores the given items at `step` into the shapes and shardings of the abstract trees.
@@ -178,6 +181,8 @@ class Checkpointer:
       items = {name: ocp.args.StandardRestore(tree.item) for name, tree in trees.items()}
       if data_iterator is not None:
         items['data'] = pipeline.iterator_checkpoint_args(data_iterator, restore=True)
+      if (path / _FINGERPRINTS).exists():  # Checkpoints written before fingerprints have none.
+        items[_FINGERPRINTS] = ocp.args.JsonRestore()
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except CheckpointError:
       raise
@@ -185,12 +190,28 @@ class Checkpointer:
       raise CheckpointError(
           f'Checkpoint {path} could not be restored ({type(e).__name__}: {e}). It was left '
           'untouched; move it away to resume from an earlier step.') from e
+    saved = restored.get(_FINGERPRINTS) if _FINGERPRINTS in items else None
+    for name in trees:
+      bad = fingerprint.mismatches(restored[name], saved.get(name, {})) if saved else []
+      if bad:
+        raise CheckpointError(
+            f'Checkpoint {path / name} is corrupt: {len(bad)} arrays read back other values '
+            f'than were saved, such as {bad[0]} (their fingerprints differ). It was left '
+            'untouched; move it away to resume from an earlier step.')
     out = {name: tree.unpack(restored[name]) for name, tree in trees.items()}
     return out.get('params'), out.get('opt_state')
 
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+# The checkpoint item holding `fingerprint.fingerprints` of the saved trees.
+_FINGERPRINTS = 'fingerprints'
+
+
+def _fingerprints_args(**trees) -> ocp.args.JsonSave:
+  return ocp.args.JsonSave({name: fingerprint.fingerprints(tree) for name, tree in trees.items()})
 
 
 def abstract_with_shardings(tree, shardings):
@@ -255,16 +276,8 @@ def _restore_parts(workdir: pathlib.Path, target: nnx.State, step: int | None,
 
 def _flat(tree) -> dict[tuple[str, ...], Any]:
   """{path: leaf}, the path's keys as strings, as Orbax names the arrays it saves."""
-  return {_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _names(path) -> tuple[str, ...]:
-  def name(key):
-    for attribute in ('key', 'name', 'idx'):
-      if hasattr(key, attribute):
-        return str(getattr(key, attribute))
-    return str(key)
-  return tuple(name(key) for key in path)
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {fingerprint.path_keys(path): leaf for path, leaf in flat}
 
 
 class _SavedTree:
@@ -298,7 +311,7 @@ class _SavedTree:
     aside = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def item(path, leaf):
-      want = by_source.get(_names(path))
+      want = by_source.get(fingerprint.path_keys(path))
       if want is None:
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=aside)
       return jax.ShapeDtypeStruct(leaf.shape, want.dtype, sharding=want.sharding)
