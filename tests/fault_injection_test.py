@@ -271,15 +271,6 @@ def _names(error: BaseException, path: pathlib.Path, workdir: pathlib.Path) -> b
              if parent != workdir and workdir in parent.parents)
 
 
-# Open defects (each has a strict xfail test below, which fails once the defect is fixed: then
-# drop its entry here so the property test covers that case again).
-def _known_open_defect(relative: str, kind: str) -> str | None:
-  """The open defect this corruption hits, or None."""
-  if kind == 'flip' and '/ocdbt.process_0/d/' in relative:
-    return 'flipped byte in an Orbax data chunk'
-  return None
-
-
 def _copy(workdirs, tmp_path_factory):
   root, files, expected = workdirs
   copy = tmp_path_factory.mktemp('corrupt') / 'root'
@@ -328,9 +319,6 @@ def test_load_with_a_corrupt_file_is_identical_or_names_it(workdirs, tmp_path_fa
   relative = data.draw(st.sampled_from(files), label='file')
   path = copy / relative
   event(f'corrupted {relative.split("/")[1] if "/" in relative else relative}')
-  if _known_open_defect(relative, kind):
-    event('skipped: a known open defect')
-    return
   if not _corrupt(path, kind, where, seed):
     return
   for name in ('base', 'heads'):
@@ -385,9 +373,6 @@ def test_resume_with_a_corrupt_file_is_identical_or_names_it(workdirs, resumed,
   candidates = [f for f in files if f.startswith('base/')]
   relative = data.draw(st.sampled_from(candidates), label='file')
   path = copy / relative
-  if _known_open_defect(relative, kind):
-    event('skipped: a known open defect')
-    return
   if not _corrupt(path, kind, where, seed):
     return
   try:
@@ -405,14 +390,11 @@ def test_resume_with_a_corrupt_file_is_identical_or_names_it(workdirs, resumed,
   assert _losses(copy / 'base')[3] == expected_losses[3]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'open defect: a byte flipped inside a zstd-compressed Orbax/tensorstore data chunk '
-    '(checkpoints/<step>/params/ocdbt.process_0/d/*) loads without error and yields wrong '
-    'parameters (NaN, 5.7e27): nothing checks the checkpoint\'s integrity'))
 def test_a_flipped_byte_in_a_parameter_chunk_is_named(workdirs, tmp_path_factory):
   """A flipped byte in the largest parameter chunk: the load fails naming it, or is identical.
 
-  (Found by test_load_with_a_corrupt_file_is_identical_or_names_it in the thorough profile.)
+  (Found by test_load_with_a_corrupt_file_is_identical_or_names_it in the thorough profile: it
+  loaded NaN or otherwise wrong parameters without an error. Fixed by checkpoint fingerprints.)
   """
   copy, _, expected = _copy(workdirs, tmp_path_factory)
   chunks = sorted((copy / 'base' / 'checkpoints' / '2' / 'params').glob('ocdbt.process_0/d/*'),
@@ -433,14 +415,12 @@ def test_a_heads_only_workdir_without_base_json_is_named(workdirs, tmp_path_fact
   _check_load('heads', copy, path, expected['heads'])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'open defect: a byte flipped inside a zstd-compressed Orbax data chunk of the optimizer '
-    'state (checkpoints/<step>/opt_state/ocdbt.process_0/d/*) resumes without error, from a '
-    'wrong optimizer state: the resumed parameters differ from an intact resume (NaN in places, '
-    'saved as the final checkpoint: the divergence guard checks the loss, not the update)'))
 def test_a_flipped_byte_in_an_optimizer_chunk_is_named_on_resume(workdirs, resumed,
                                                                  tmp_path_factory):
-  """Resuming with a flipped byte in the largest optimizer-state chunk: named, or identical."""
+  """Resuming with a flipped byte in the largest optimizer-state chunk: named, or identical.
+
+  (It resumed from a wrong optimizer state and saved NaN parameters. Fixed with the above.)
+  """
   copy, _, _ = _copy(workdirs, tmp_path_factory)
   chunks = sorted((copy / 'base' / 'checkpoints' / '2' / 'opt_state').glob(
       'ocdbt.process_0/d/*'), key=lambda p: p.stat().st_size)
