@@ -33,7 +33,6 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 import mtp
-from mtp import api
 from mtp.decode import driver
 from mtp.model import testing as model_testing
 from mtp.train import testing as train_testing
