@@ -45,8 +45,8 @@ from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 
 import mtp
-from configs import tiny
 from mtp.data import tokenizer as tokenizer_lib
+from mtp.train import testing as train_testing
 from mtp.train import trainer as trainer_lib
 from mtp.train import writers
 
@@ -76,16 +76,7 @@ def _examples(n: int) -> int:
 
 
 def _config(**overrides):
-  c = tiny.get_config()
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
-  c.eval_steps = 0
-  for key, value in overrides.items():
-    target = c
-    *parents, leaf = key.split('.')
-    for p in parents:
-      target = target[p]
-    target[leaf] = value
-  return c
+  return train_testing.tiny_config(**{'eval_steps': 0, **overrides})
 
 
 def _flat_params(loaded) -> dict:

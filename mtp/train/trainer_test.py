@@ -15,27 +15,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import tiny
 from mtp.checkpoint import checkpointing
 from mtp.checkpoint import workdir_lock
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import divergence
 from mtp.train import preemption
 from mtp.train import step as step_lib
+from mtp.train import testing as train_testing
 from mtp.train import trainer as trainer_lib
 from mtp.train import writers
 
 
-def _config(**overrides):
-  c = tiny.get_config()
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
-  for key, value in overrides.items():
-    target = c
-    *parents, leaf = key.split('.')
-    for p in parents:
-      target = target[p]
-    target[leaf] = value
-  return c
+_config = train_testing.tiny_config
 
 
 def _counting_batch(batch_size, seq_len, vocab, seed):
