@@ -165,8 +165,8 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
                           with_heads=tree.head_depth > 0)
   last_index = lengths - 1
   rng, key = jax.random.split(rng)
-  first = _sample(key, _logits(model, state_lib.gather_rows(out.normed, last_index), request),
-                  request)
+  last_normed = kv_cache_lib.gather_rows(out.normed, last_index)
+  first = _sample(key, _logits(model, last_normed, request), request)
   known = kv_cache_lib.write_rows(jnp.pad(prompts, ((0, 0), (0, 1))),
                                   first[:, None].astype(prompts.dtype), lengths)
   head_logits, cache = _head_logits(model, request, out.features, known, last_index, cache,
@@ -222,7 +222,7 @@ def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Arr
     else:
       path, num_accepted, next_token = sampling_lib.rejection_accept_tree(key, tree, nodes,
                                                                           probs)
-    last_node = state_lib.gather_rows(path, num_accepted)
+    last_node = kv_cache_lib.gather_rows(path, num_accepted)
     path = jnp.where(path >= 0, path, last_node[:, None])
   return nodes, out, cache, path, num_accepted, next_token
 

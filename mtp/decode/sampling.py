@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp.decode import trees as trees_lib
+from mtp.model import kv_cache as kv_cache_lib
 
 _NEG_INF = -jnp.inf
 
@@ -193,11 +194,6 @@ def _gather_last(x: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
   return jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]
 
 
-def _gather_row(x: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
-  """x[b, idx[b]]: x [B, N, ...], idx [B] -> [B, ...]."""
-  return jnp.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
-
-
 def _accept(u: jnp.ndarray, p_x: jnp.ndarray, q_x: jnp.ndarray) -> jnp.ndarray:
   """True with probability min(1, p_x / q_x) for u ~ U[0, 1); never if p_x == 0.
 
@@ -274,14 +270,14 @@ def rejection_accept_chain(rng: jax.Array, draft: jnp.ndarray, draft_probs: jnp.
   num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
 
   # Distribution of the next token: residual at the first rejection, p_K when all accepted.
-  p_n = _gather_row(p, num_accepted)  # [B, V]
+  p_n = kv_cache_lib.gather_rows(p, num_accepted)  # [B, V]
   rejected = num_accepted < k
   i = jnp.minimum(num_accepted, k - 1)
   if draft_probs is None:
     x = jnp.take_along_axis(draft, i[:, None], axis=1)[:, 0]
     q_n = jax.nn.one_hot(x, p.shape[-1], dtype=jnp.float32)
   else:
-    q_n = _gather_row(draft_probs.astype(jnp.float32), i)
+    q_n = kv_cache_lib.gather_rows(draft_probs.astype(jnp.float32), i)
   dist = jnp.where(rejected[:, None], _residual(p_n, q_n), p_n)
   return num_accepted, _sample_from_probs(key_s, dist)
 
@@ -380,11 +376,11 @@ def rejection_accept_tree(
       q = (vocab == x[:, None]).astype(jnp.float32)
       q_x = jnp.ones_like(p_x)
     else:
-      q = _gather_row(q_all, c)
+      q = kv_cache_lib.gather_rows(q_all, c)
       q_x = _gather_last(q, x)
     acc = has_child & _accept(u[i], p_x, q_x)
     rej = has_child & ~acc
-    p = jnp.where(acc[:, None], _gather_row(p_all, c),
+    p = jnp.where(acc[:, None], kv_cache_lib.gather_rows(p_all, c),
                   jnp.where(rej[:, None], _residual(p, q), p))
     cur = jnp.where(acc, c, cur)
     slot = jnp.where(acc, 0, slot + rej)

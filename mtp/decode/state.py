@@ -131,12 +131,6 @@ def as_key(rng) -> Array:
   return rng
 
 
-def gather_rows(x: Array, index: Array) -> Array:
-  """x[b, index[b]]: x [B, T, ...], index [B] -> [B, ...]."""
-  index = index.reshape((-1,) + (1,) * (x.ndim - 1))
-  return jnp.take_along_axis(x, index, axis=1)[:, 0]
-
-
 def append_tokens(buffer: Array, num_generated: Array, done: Array, emitted: Array,
                   num_emitted: Array, *, eos_id: Array, pad_id: Array,
                   max_new_tokens: int) -> tuple[Array, Array, Array, Array]:

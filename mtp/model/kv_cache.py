@@ -54,6 +54,13 @@ def write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.A
   return jax.vmap(write_one)(buffer, block, offsets)
 
 
+def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """Reads one slot per row, the counterpart of `write_rows`: x [B, T, ...], index [B] ->
+  [B, ...], x[b, index[b]]."""
+  index = index.reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.take_along_axis(x, index, axis=1)[:, 0]
+
+
 def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
   """Moves the accepted path of a verified block to contiguous slots.
 

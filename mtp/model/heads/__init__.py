@@ -125,12 +125,6 @@ class HeadFamily(nnx.Module):
     raise NotImplementedError
 
 
-def gather_rows(x: Array, index: Array) -> Array:
-  """x[b, index[b]]: x [B, T, ...], index [B] -> [B, ...]."""
-  index = index.reshape((-1,) + (1,) * (x.ndim - 1))
-  return jnp.take_along_axis(x, index, axis=1)[:, 0]
-
-
 def causal_mask(t: int) -> Array:
   """[T, T] lower-triangular block mask (a chain of new tokens)."""
   return jnp.tril(jnp.ones((t, t), bool))

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from mtp.model import heads
+from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.model import transformer
@@ -32,7 +33,7 @@ class ScaledHeads(heads.HeadFamily):
     return {'normed': normed}, cache
 
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
-    normed = heads.gather_rows(features['normed'], last_index)
+    normed = kv_cache_lib.gather_rows(features['normed'], last_index)
     return trunk.logits(jnp.stack([self.layers[k](normed * (self.start + k))
                                    for k in range(depth)])), cache
 

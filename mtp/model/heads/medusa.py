@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp.model import heads
+from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 
 Array = jax.Array
@@ -68,5 +69,5 @@ class MedusaHeads(heads.HeadFamily):
 
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
     # The cheap ResBlocks run on the one gathered position, not on the whole run.
-    normed = heads.gather_rows(features, last_index)  # [B, D]
+    normed = kv_cache_lib.gather_rows(features, last_index)  # [B, D]
     return trunk.logits(jnp.stack([self.layers[k](normed) for k in range(depth)])), cache

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp.model import heads
+from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 
 Array = jax.Array
@@ -66,5 +67,6 @@ class ParallelHeads(heads.HeadFamily):
     return features, transformer.replace_layers(cache, first_layer, updated)
 
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
-    outputs = jnp.moveaxis(heads.gather_rows(features, last_index), 1, 0)[:depth]  # [depth, B, D]
+    at_last = kv_cache_lib.gather_rows(features, last_index)  # [B, K, D]
+    outputs = jnp.moveaxis(at_last, 1, 0)[:depth]  # [depth, B, D]
     return trunk.logits(outputs), cache

@@ -86,7 +86,7 @@ class SequentialHeads(heads.HeadFamily):
     for k in range(depth):
       h, normed, cache = self.module_step(trunk, k, h, tokens[:, k + 1:k + 1 + t], positions,
                                           cache, lengths, first_layer)
-      head = trunk.logits(heads.gather_rows(normed, last_index))  # [B, V]
+      head = trunk.logits(kv_cache_lib.gather_rows(normed, last_index))  # [B, V]
       logits.append(head)
       if k + 1 < depth:  # Module k + 2 reads this draft as token x_{t + k + 2} at last_index.
         top1 = jnp.argmax(head, axis=-1).astype(tokens.dtype)
