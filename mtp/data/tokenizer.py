@@ -8,6 +8,8 @@ round-trips: `decode(encode(x)) == x` (whitespace, indentation and unicode inclu
 
 A pretrained tokenizer keeps its own special ids (SmolLM2: bos=1, eos=2, pad=2), saved beside
 `tokenizer.json` as `special_tokens.json`; a directory without that file uses the layout above.
+A chat model's template (Jinja, as Hugging Face writes it) is saved beside them as
+`chat_template.jinja`.
 pad may equal eos: padding is marked by segment ids and lengths, never recognised by its id.
 
 Special-token strings occurring in the text (for example the literal `<eos>` in source code) are
@@ -33,6 +35,7 @@ NUM_BYTES = 256
 BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTES  # 259
 FILENAME = 'tokenizer.json'
 SPECIAL_IDS_FILENAME = 'special_tokens.json'
+CHAT_TEMPLATE_FILENAME = 'chat_template.jinja'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +120,10 @@ class Tokenizer:
   0, 1, 2). `decode` skips the special ids and every token the HF tokenizer marks special.
   """
 
-  def __init__(self, hf_tokenizer: tokenizers.Tokenizer, special_ids: SpecialIds | None = None):
+  def __init__(self, hf_tokenizer: tokenizers.Tokenizer, special_ids: SpecialIds | None = None,
+               chat_template: str | None = None):
     self._tok = hf_tokenizer
+    self._chat_template = chat_template or None
     self._tok.encode_special_tokens = True
     self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     if special_ids is None:
@@ -145,6 +150,11 @@ class Tokenizer:
   def kind(self) -> str:
     """'byte' or 'bpe'."""
     return self._kind
+
+  @property
+  def chat_template(self) -> str | None:
+    """The model's chat template (Jinja source, Hugging Face conventions), if it has one."""
+    return self._chat_template
 
   @property
   def vocab_size(self) -> int:
@@ -201,7 +211,8 @@ class Tokenizer:
   def save(self, directory: str | pathlib.Path) -> pathlib.Path:
     """Writes `directory/tokenizer.json` (HF format) and returns its path.
 
-    Special ids other than the project's layout go to `directory/special_tokens.json`.
+    Special ids other than the project's layout go to `directory/special_tokens.json`, and a
+    chat template to `directory/chat_template.jinja`.
     """
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -211,6 +222,11 @@ class Tokenizer:
       _write_atomically(specials, self._special_ids.to_json())
     elif specials.exists():
       specials.unlink()
+    template = directory / CHAT_TEMPLATE_FILENAME
+    if self._chat_template is not None:
+      _write_atomically(template, self._chat_template)
+    elif template.exists():
+      template.unlink()
     _write_atomically(path, self.to_json())
     return path
 
@@ -221,7 +237,7 @@ class Tokenizer:
   @classmethod
   def load(cls, directory: str | pathlib.Path) -> Tokenizer:
     """Reads `directory/tokenizer.json` (or the file itself if given a file path) and the
-    `special_tokens.json` beside it, if any.
+    `special_tokens.json` and `chat_template.jinja` beside it, if any.
 
     Raises:
       FileNotFoundError: there is no tokenizer file.
@@ -240,12 +256,19 @@ class Tokenizer:
       except UnicodeDecodeError as e:
         raise ValueError(f'{specials} is not UTF-8 text ({e}).') from e
       special_ids = SpecialIds.from_json(text, specials)
+    template = path.with_name(CHAT_TEMPLATE_FILENAME)
+    chat_template = None
+    if template.is_file():
+      try:
+        chat_template = template.read_text(encoding='utf-8')
+      except UnicodeDecodeError as e:
+        raise ValueError(f'{template} is not UTF-8 text ({e}).') from e
     try:
       hf_tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # pylint: disable=broad-except  # The Rust side raises bare Exception.
       raise ValueError(f'{path} is corrupt or not a tokenizer file ({e}).') from e
     try:
-      return cls(hf_tokenizer, special_ids)
+      return cls(hf_tokenizer, special_ids, chat_template)
     except ValueError as e:
       raise ValueError(f'{path}: {e}') from e
 

@@ -150,3 +150,16 @@ def test_bad_special_ids(tmp_path, bpe):
   (tmp_path / 'special_tokens.json').write_text('{"pad_id": 0}')
   with pytest.raises(ValueError, match='special_tokens.json must hold integer'):
     tokenizer_lib.Tokenizer.load(tmp_path)
+
+
+def test_a_chat_template_is_saved_beside_the_tokenizer(tmp_path, bpe):
+  import tokenizers
+  template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+  tok = tokenizer_lib.Tokenizer(tokenizers.Tokenizer.from_str(bpe.to_json()),
+                                chat_template=template)
+  tok.save(tmp_path)
+  assert (tmp_path / 'chat_template.jinja').read_text() == template
+  assert tokenizer_lib.Tokenizer.load(tmp_path).chat_template == template
+  bpe.save(tmp_path)  # Saving a tokenizer without one removes a stale template.
+  assert not (tmp_path / 'chat_template.jinja').exists()
+  assert tokenizer_lib.Tokenizer.load(tmp_path).chat_template is None

@@ -1,0 +1,11 @@
+"""Export a trained workdir for serving.
+
+Formats (`python -m launch.export --format=...`):
+  params      a param-only Orbax checkpoint with config.json and the tokenizer (`params.py`);
+  hf          a Hugging Face Llama directory, heads in their serving systems' formats (`hf.py`);
+  jax_export  the whole generate function serialized with `jax.export` (`jax_artifact.py`).
+"""
+
+
+class ExportError(ValueError):
+  """An export that cannot be made; the message names the workdir, format or option at fault."""
