@@ -123,3 +123,11 @@ def test_hf_names_cover_every_tensor():
   for hf, gguf_name in names.items():
     assert gguf_file.hf_name(gguf_name)[0] == hf
   assert gguf_file.hf_name('blk.0.attn_q.bias') is None
+
+
+def test_chat_template_is_kept(tmp_path):
+  path = tmp_path / 'chat.gguf'
+  testing.write_gguf(path, testing.random_tensors(), chat_template=testing.CHAT_TEMPLATE)
+  assert gguf_file.read(path).tokenizer.chat_template == testing.CHAT_TEMPLATE
+  testing.write_gguf(tmp_path / 'plain.gguf', testing.random_tensors())
+  assert gguf_file.read(tmp_path / 'plain.gguf').tokenizer.chat_template is None

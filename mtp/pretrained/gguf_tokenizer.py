@@ -3,7 +3,7 @@
 GGUF stores the vocabulary, merges and token kinds as metadata. Byte-level BPE (`gpt2`, used by
 SmolLM2, Llama 3, StarCoder ...) is supported: a BPE model over the byte-level spelling, a
 pre-tokenizer chosen by `tokenizer.ggml.pre`, a ByteLevel decoder, and the control tokens
-(token type 3) as special tokens.
+(token type 3) as special tokens. A chat template (`tokenizer.chat_template`) is kept.
 
 `tokenizer.ggml.pre` names how text is split before the merges. For SmolLM2 and StarCoder
 ('smollm', 'starcoder') digits are split one by one and then GPT-2's regex applies, as in those
@@ -62,7 +62,8 @@ def _field(reader, key: str, default=None):
 
 
 def build(tokens: list[str], merges: list[str], token_types: list[int], pre: str,
-          special_ids: tokenizer_lib.SpecialIds, source: str = 'GGUF') -> tokenizer_lib.Tokenizer:
+          special_ids: tokenizer_lib.SpecialIds, source: str = 'GGUF',
+          chat_template: str | None = None) -> tokenizer_lib.Tokenizer:
   """A byte-level BPE tokenizer from GGUF-style vocabulary data.
 
   Args:
@@ -72,6 +73,7 @@ def build(tokens: list[str], merges: list[str], token_types: list[int], pre: str
     pre: the `tokenizer.ggml.pre` name (see PRE_TOKENIZERS).
     special_ids: pad/eos/bos.
     source: named in errors.
+    chat_template: the model's chat template (Jinja), if it has one.
   """
   if pre not in PRE_TOKENIZERS:
     raise PretrainedError(f'{source}: pre-tokenizer {pre!r} is not supported; supported: '
@@ -111,7 +113,7 @@ def build(tokens: list[str], merges: list[str], token_types: list[int], pre: str
     raise PretrainedError(f'{source}: the tokenizer has {tok.get_vocab_size()} ids, not the '
                           f'{len(tokens)} tokens listed (duplicate tokens?).')
   try:
-    return tokenizer_lib.Tokenizer(tok, special_ids)
+    return tokenizer_lib.Tokenizer(tok, special_ids, chat_template)
   except ValueError as e:
     raise PretrainedError(f'{source}: {e}') from e
 
@@ -133,5 +135,9 @@ def from_gguf(reader, path: pathlib.Path) -> tokenizer_lib.Tokenizer:
       pad_id=int(_field(reader, 'tokenizer.ggml.padding_token_id', eos)), eos_id=int(eos),
       bos_id=int(_field(reader, 'tokenizer.ggml.bos_token_id', eos)))
   token_types = [int(t) for t in _field(reader, 'tokenizer.ggml.token_type', [])]
+  template = _field(reader, 'tokenizer.chat_template')
+  if template is not None and not isinstance(template, str):
+    raise PretrainedError(f'{path}: metadata tokenizer.chat_template is not a string.')
   return build(list(tokens), list(merges), token_types,
-               _field(reader, 'tokenizer.ggml.pre', 'default'), special_ids, str(path))
+               _field(reader, 'tokenizer.ggml.pre', 'default'), special_ids, str(path),
+               chat_template=template)

@@ -4,7 +4,13 @@ The directory holds `config.json` (`LlamaForCausalLM`, or a Mistral without slid
 attention, which is the same network), `model.safetensors` or shards listed in
 `model.safetensors.index.json`, and `tokenizer.json`. Special ids come from
 `generation_config.json`, then `config.json`, then `tokenizer_config.json` (the order in which
-`transformers` generation looks them up); padding falls back to eos.
+`transformers` generation looks them up); padding falls back to eos. A chat template comes from
+`chat_template.jinja`, else from `tokenizer_config.json` (`chat_template`, a string or a list of
+named templates, of which 'default' is taken).
+
+DeepSeek-V3-style multi-token-prediction layers (`num_nextn_predict_layers` in config.json, stored
+as `model.layers.{L+k}.*` after the trunk's L layers, as `mtp.export.hf` writes them) are not part
+of the trunk and are left out.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from mtp.pretrained.llama import PretrainedError
 
 CONFIG, INDEX, SINGLE = 'config.json', 'model.safetensors.index.json', 'model.safetensors'
 TOKENIZER = 'tokenizer.json'
+TOKENIZER_CONFIG, CHAT_TEMPLATE = 'tokenizer_config.json', 'chat_template.jinja'
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM')
 
 
@@ -114,7 +121,7 @@ def special_ids(directory: pathlib.Path, config: dict[str, Any],
                 tok: tokenizers.Tokenizer) -> tokenizer_lib.SpecialIds:
   sources = [(_read_json(directory / 'generation_config.json', required=False), '_token_id'),
              (config, '_token_id'),
-             (_read_json(directory / 'tokenizer_config.json', required=False), '_token')]
+             (_read_json(directory / TOKENIZER_CONFIG, required=False), '_token')]
 
   def find(kind: str) -> int | None:
     for values, suffix in sources:
@@ -132,6 +139,25 @@ def special_ids(directory: pathlib.Path, config: dict[str, Any],
                                   bos_id=eos if bos is None else bos)
 
 
+def chat_template(directory: pathlib.Path) -> str | None:
+  """The directory's chat template (Jinja source), or None."""
+  path = directory / CHAT_TEMPLATE
+  if path.is_file():
+    try:
+      return path.read_text(encoding='utf-8')
+    except UnicodeDecodeError as e:
+      raise PretrainedError(f'{path} is not UTF-8 text ({e}).') from e
+  config_path = directory / TOKENIZER_CONFIG
+  template = _read_json(config_path, required=False).get('chat_template')
+  if isinstance(template, list):  # Named templates: [{'name': ..., 'template': ...}, ...].
+    named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
+    template = named.get('default', next(iter(named.values()), None))
+  if template is not None and not isinstance(template, str):
+    raise PretrainedError(f'{config_path}: chat_template is neither a string nor a list of '
+                          'named templates.')
+  return template
+
+
 def read_tokenizer(directory: pathlib.Path, config: dict[str, Any]) -> tokenizer_lib.Tokenizer:
   path = directory / TOKENIZER
   if not path.is_file():
@@ -141,7 +167,8 @@ def read_tokenizer(directory: pathlib.Path, config: dict[str, Any]) -> tokenizer
   except Exception as e:  # tokenizers raises a bare Exception on bad files.
     raise PretrainedError(f'{path} is not a readable tokenizer ({e}).') from e
   try:
-    return tokenizer_lib.Tokenizer(tok, special_ids(directory, config, tok))
+    return tokenizer_lib.Tokenizer(tok, special_ids(directory, config, tok),
+                                   chat_template(directory))
   except ValueError as e:
     raise PretrainedError(f'{path}: {e}') from e
 
@@ -161,6 +188,9 @@ def read(directory: str | pathlib.Path) -> llama.Checkpoint:
   files = weight_files(directory)
   tensors = {}
   for file, names in files.items():
+    if config.get('num_nextn_predict_layers'):  # MTP layers after the trunk's: not read.
+      names = [name for name in (names or safetensors_file.read_header(file)[0])
+               if (llama.layer_index(name) or 0) < shape.num_layers]
     tensors.update(safetensors_file.read(file, set(names) if names is not None else None))
   if shape.tie_embeddings:
     tensors.pop(llama.LM_HEAD, None)  # Some tied checkpoints store a copy; the trunk ties.

@@ -120,3 +120,34 @@ def test_rope_theta_from_transformers_5_rope_parameters(tmp_path):
   testing.write_hf_directory(tmp_path, testing.random_tensors(), config={
       'rope_theta': None, 'rope_parameters': {'rope_type': 'default', 'rope_theta': 5e5}})
   assert hf_directory.read(tmp_path).shape.rope_theta == 5e5
+
+
+@pytest.mark.parametrize('where', ['tokenizer_config', 'named', 'jinja', 'none'])
+def test_chat_template(tmp_path, where):
+  template = testing.CHAT_TEMPLATE
+  tokenizer_config = {'tokenizer_config': {'chat_template': template},
+                      'named': {'chat_template': [{'name': 'tool_use', 'template': 'x'},
+                                                  {'name': 'default', 'template': template}]},
+                      'jinja': {'chat_template': 'overridden by the .jinja file'},
+                      'none': {}}[where]
+  testing.write_hf_directory(tmp_path, testing.random_tensors(), tokenizer_config=tokenizer_config)
+  if where == 'jinja':
+    (tmp_path / 'chat_template.jinja').write_text(template)
+  got = hf_directory.read(tmp_path).tokenizer.chat_template
+  assert got == (None if where == 'none' else template)
+
+
+def test_multi_token_prediction_layers_are_left_out(tmp_path):
+  """DeepSeek-V3-style MTP layers after the trunk's (`num_nextn_predict_layers`) are not read."""
+  tensors = testing.random_tensors()
+  extra = {f'model.layers.{testing.SHAPE.num_layers}.{name}': np.ones(4, np.float32)
+           for name in ('enorm.weight', 'self_attn.q_proj.weight')}
+  testing.write_hf_directory(tmp_path / 'a', {**tensors, **extra},
+                             config={'num_nextn_predict_layers': 1})
+  assert set(hf_directory.read(tmp_path / 'a').tensors) == set(tensors)
+  testing.write_hf_directory(tmp_path / 'b', {**tensors, **extra}, num_shards=2,
+                             config={'num_nextn_predict_layers': 1})
+  assert set(hf_directory.read(tmp_path / 'b').tensors) == set(tensors)
+  testing.write_hf_directory(tmp_path / 'c', {**tensors, **extra})
+  with pytest.raises(PretrainedError, match='unexpected tensor model.layers.2'):
+    hf_directory.read(tmp_path / 'c')

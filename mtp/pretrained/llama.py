@@ -91,6 +91,15 @@ def layer_names(i: int) -> dict[str, str]:
   }
 
 
+_LAYER_INDEX = re.compile(r'model\.layers\.(\d+)\.')
+
+
+def layer_index(name: str) -> int | None:
+  """i of a Hugging Face name under `model.layers.{i}.`, else None."""
+  match = _LAYER_INDEX.match(name)
+  return int(match.group(1)) if match else None
+
+
 EMBED, FINAL_NORM, LM_HEAD = 'model.embed_tokens.weight', 'model.norm.weight', 'lm_head.weight'
 # Buffers some checkpoints carry that hold nothing the trunk needs (recomputed from rope_theta).
 _IGNORED = re.compile(r'model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq')

@@ -24,6 +24,10 @@ SHAPE = llama.LlamaShape(vocab_size=288, embed_dim=64, num_layers=2, num_attenti
                          norm_eps=1e-5, tie_embeddings=True)
 CONTROL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
 SPECIAL_IDS = tokenizer_lib.SpecialIds(pad_id=2, eos_id=2, bos_id=1)  # As SmolLM2.
+# A ChatML template like SmolLM2-Instruct's (shortened).
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+                 "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 _MERGES = ('Ġ t', 'h e', 'i n', 'Ġ Ġ', 'ĠĠ ĠĠ', 'Ġt he', 'd e', 'de f', 'r e', 'Ġ =', 'Ġ a',
            'o n', 'Ġ s', 'e r', 'a t', 'Ġ (', 'Ċ ĠĠĠĠ', 'ĊĠĠĠĠ ĠĠĠĠ')
 
@@ -66,7 +70,8 @@ def write_gguf(path: pathlib.Path, tensors: dict[str, np.ndarray],
                shape: llama.LlamaShape = SHAPE, *, types: dict[str, str] | None = None,
                architecture: str = 'llama', omit: tuple[str, ...] = (),
                metadata: dict[str, Any] | None = None, num_tokens: int | None = None,
-               tokenizer_model: str = 'gpt2') -> dict[str, np.ndarray]:
+               tokenizer_model: str = 'gpt2', chat_template: str | None = None
+               ) -> dict[str, np.ndarray]:
   """Writes a GGUF file as llama.cpp's converter would and returns what it stores.
 
   Args:
@@ -77,6 +82,7 @@ def write_gguf(path: pathlib.Path, tensors: dict[str, np.ndarray],
     metadata: extra `llama.*` keys ('rope.scaling.type': 'linear', ...).
     num_tokens: vocabulary size written (default all of `vocabulary()`), padded with
       normal tokens.
+    chat_template: written as `tokenizer.chat_template` if given.
   Returns:
     GGUF name -> the values as the file stores them, dequantised (still permuted).
   """
@@ -112,6 +118,8 @@ def write_gguf(path: pathlib.Path, tensors: dict[str, np.ndarray],
   writer.add_bos_token_id(SPECIAL_IDS.bos_id)
   writer.add_eos_token_id(SPECIAL_IDS.eos_id)
   writer.add_pad_token_id(SPECIAL_IDS.pad_id)
+  if chat_template is not None:
+    writer.add_chat_template(chat_template)
   names = gguf_file.gguf_names(shape.num_layers)
   stored = {}
   for name, values in tensors.items():
@@ -166,9 +174,11 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> Non
 def write_hf_directory(directory: pathlib.Path, tensors: dict[str, np.ndarray],
                        shape: llama.LlamaShape = SHAPE, *, dtype: Any = np.float32,
                        num_shards: int = 1, config: dict[str, Any] | None = None,
-                       omit: tuple[str, ...] = ()) -> pathlib.Path:
+                       omit: tuple[str, ...] = (),
+                       tokenizer_config: dict[str, Any] | None = None) -> pathlib.Path:
   """A Hugging Face model directory: config.json, tokenizer files, safetensors (sharded if
-  num_shards > 1), with `config` overriding config.json entries."""
+  num_shards > 1), with `config` overriding config.json entries; `tokenizer_config.json` holds
+  `tokenizer_config` if given."""
   directory.mkdir(parents=True, exist_ok=True)
   cfg = {
       'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
@@ -186,6 +196,8 @@ def write_hf_directory(directory: pathlib.Path, tensors: dict[str, np.ndarray],
       {'bos_token_id': SPECIAL_IDS.bos_id, 'eos_token_id': [SPECIAL_IDS.eos_id],
        'pad_token_id': SPECIAL_IDS.pad_id}))
   (directory / 'tokenizer.json').write_text(tokenizer().to_json())
+  if tokenizer_config is not None:
+    (directory / 'tokenizer_config.json').write_text(json.dumps(tokenizer_config))
   kept = {k: v.astype(dtype) for k, v in tensors.items() if k not in omit}
   if num_shards == 1:
     write_safetensors(directory / 'model.safetensors', kept)

@@ -73,7 +73,7 @@ def sources(tmp_path_factory):
   root = tmp_path_factory.mktemp('sources')
   gguf_path = root / 'tiny.gguf'
   stored = testing.write_gguf(gguf_path, testing.random_tensors(seed=3),
-                              types=gguf_file_test.TYPES)
+                              types=gguf_file_test.TYPES, chat_template=testing.CHAT_TEMPLATE)
   # The Hugging Face layout of what the file stores, un-permuted independently of the importer.
   names = gguf_file.gguf_names(testing.SHAPE.num_layers)
   hf = {}
@@ -85,7 +85,8 @@ def sources(tmp_path_factory):
         heads = shape.num_attention_heads if 'q_proj' in name else shape.num_kv_heads
         values = gguf_file_test.unpermute_by_index(values, heads)
       hf[name] = values
-  hf_dir = testing.write_hf_directory(root / 'hf', hf, num_shards=2)
+  hf_dir = testing.write_hf_directory(root / 'hf', hf, num_shards=2,
+                                      tokenizer_config={'chat_template': testing.CHAT_TEMPLATE})
   return gguf_path, hf_dir, hf
 
 
@@ -125,6 +126,12 @@ def test_workdir_contents(imported, sources):
   loaded = mtp.load(workdir)
   assert loaded.step == 0 and loaded.tokenizer.special_ids == testing.SPECIAL_IDS
   assert not list(workdir.parent.glob('.*importing*'))
+
+
+def test_chat_template_travels_in(imported):
+  for workdir in imported:
+    assert (workdir / 'chat_template.jinja').read_text() == testing.CHAT_TEMPLATE
+    assert mtp.load(workdir).tokenizer.chat_template == testing.CHAT_TEMPLATE
 
 
 def test_generate_from_an_imported_workdir(imported):
