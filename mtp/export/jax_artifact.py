@@ -1,0 +1,260 @@
+"""`--format=jax_export`: the whole generate function, serialized with `jax.export`.
+
+One program per decoder (and per sampling setting asked for): the prefill and the decode
+`while_loop` of `mtp/decode/driver.py`, traced once and lowered to StableHLO for every platform
+that lowers here (`cpu`, and `cuda` and `tpu` without their hardware). Running it needs JAX and
+the files, not this package's model code (`runtime.py`).
+
+Contract of each program (all arguments are arrays; none is donated):
+  generate(params, prompts, lengths, key, eos_id, pad_id, max_new_tokens) -> dict(
+      tokens [b, M] int32 (pad_id after each row's end), num_generated [b] int32,
+      num_steps [b] int32, accepted_histogram [b, depth + 2] int32)
+  params          {name: array}: the model's parameters, flat ('trunk/embed/embedding', ...),
+                  as saved beside the programs in params.safetensors: arguments, not constants
+  prompts         [b, p] int32, right-padded; lengths [b] int32: valid tokens per row
+  key             the raw data of a PRNG key (`jax.random.key_data`; manifest: prng_impl)
+  eos_id, pad_id  [] int32 (eos_id -1: none)
+  max_new_tokens  [] int32 in [1, M]
+
+Shapes: the batch b and the prompt width p are symbolic: one program serves every batch size
+and prompt length, compiled for each concrete shape on first use (as `jax.jit` would); listed
+buckets would each cost an export, a file and a compile, for nothing symbolic shapes lack here.
+
+Baked in (the static part of a `DecodeRequest`, recorded in the manifest), because they change
+the traced program: the decoder and its tree (and lookup chain), greedy or the one sampling
+setting (temperature, top_k, top_p), M = the most tokens a call may generate (it sizes the
+output buffer and the KV cache: capacity p + M + tree size), and the ids never emitted (the
+tokenizer's). Traced, so free per call: prompts, batch size, eos/pad ids, the seed, and
+max_new_tokens up to M: the loop's token buffer starts M - max_new_tokens columns in, so rows
+stop exactly where a decoder built for max_new_tokens would (same tokens, steps and accepted
+counts), at the cost of a KV cache sized for M.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp.checkpoint import fingerprint
+from mtp.decode import driver
+from mtp.decode import request as request_lib
+from mtp.decode import trees as trees_lib
+from mtp.export import ExportError
+from mtp.export import params as params_lib
+from mtp.model import mtp_model
+
+PARAMS_FILE = 'params.safetensors'
+PLATFORMS = ('cpu', 'cuda', 'tpu')
+KNOWN_PLATFORMS = ('cpu', 'cuda', 'rocm', 'tpu')
+SUFFIX = '.jax_exported'
+# Default M: enough for a completion, without sizing every cache for the whole context.
+_DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def check_options(workdir: pathlib.Path, dtype: np.dtype, **options) -> None:
+  """Checks jax_export's options against the workdir's model before anything loads."""
+  del dtype  # Every float dtype traces.
+  try:
+    import flatbuffers  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise ExportError('--format=jax_export needs the flatbuffers package to serialize '
+                      '(jax.export uses it): pip install flatbuffers') from None
+  from mtp.checkpoint import checkpointing  # pylint: disable=import-outside-toplevel
+  config = checkpointing.load_config(workdir)
+  variants(mtp_model.ModelConfig.from_config(config.model), **options)
+
+
+def variants(model_cfg: mtp_model.ModelConfig, *, max_new_tokens: int | None = None,
+             tree=None, lookup: int = 0, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, platforms: Sequence[str] = PLATFORMS
+             ) -> tuple[int, tuple[str, ...], list[dict[str, Any]]]:
+  """(M, platforms, one `request.make_request` keyword set per program), checked.
+
+  The programs: autoregressive and (for a model with heads) speculative decoding, greedy,
+  plus both sampled when `temperature` > 0. `tree`: None or 'chain' (every head's top-1),
+  'default' (the static Medusa-style tree) or Medusa-style choices; `lookup` hangs a prompt
+  lookup chain below it in the greedy speculative program (lookup drafts are greedy only).
+
+  Raises:
+    ExportError naming the bad option.
+  """
+  trunk = model_cfg.trunk
+  if max_new_tokens is None:
+    max_new_tokens = min(_DEFAULT_MAX_NEW_TOKENS, trunk.max_seq_len // 2)
+  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
+      or not 1 <= max_new_tokens < trunk.max_seq_len):
+    raise ExportError(f'max_new_tokens must be an integer in [1, {trunk.max_seq_len}) (the '
+                      f'model\'s max_seq_len), got {max_new_tokens!r}')
+  platforms = tuple(platforms)
+  bad = [p for p in platforms if p not in KNOWN_PLATFORMS]
+  if bad or not platforms:
+    raise ExportError(f'platforms must be some of {", ".join(KNOWN_PLATFORMS)}, got '
+                      f'{list(platforms)}')
+  if isinstance(tree, str) and tree not in ('chain', 'default'):
+    raise ExportError(f'tree must be chain, default or Medusa-style choices for an export, got '
+                      f'{tree!r} (tree=auto measures the heads at run time: export the tree '
+                      'it picks as choices)')
+  settings = [dict(temperature=0.0, top_k=0, top_p=1.0)]
+  if temperature:
+    settings.append(dict(temperature=temperature, top_k=top_k, top_p=top_p))
+  elif top_k or top_p != 1.0:
+    raise ExportError('top_k and top_p shape sampling: give a temperature > 0 with them')
+  decoders = ['autoregressive'] + (['speculative'] if model_cfg.mtp_num_heads else [])
+  if model_cfg.mtp_num_heads == 0 and (tree is not None or lookup):
+    raise ExportError('tree and lookup apply to speculative decoding, and this model has no '
+                      'heads: it exports the autoregressive decoder only')
+  out = []
+  for decoder in decoders:
+    for setting in settings:
+      kwargs = dict(decoder=decoder, **setting)
+      if decoder == 'speculative':
+        kwargs['tree'] = _tree(tree, model_cfg.mtp_num_heads)
+        kwargs['lookup'] = int(lookup) if setting['temperature'] == 0 else 0
+      try:
+        request_lib.make_request(model_cfg, 1, max_new_tokens=int(max_new_tokens), **kwargs)
+      except ValueError as e:
+        raise ExportError(f'cannot export the {decoder} decoder: {e}') from None
+      out.append(kwargs)
+  return int(max_new_tokens), platforms, out
+
+
+def _tree(tree, num_heads: int):
+  if tree is None or tree == 'chain':
+    return None
+  if tree == 'default':
+    return trees_lib.medusa_default_tree(num_heads)
+  return tree
+
+
+def write(loaded, directory: pathlib.Path, dtype: np.dtype, **options) -> dict[str, Any]:
+  """Writes the programs, the parameters, config.json and the tokenizer into `directory`.
+
+  Returns the artifact's manifest section (`runtime.py` reads it): programs, platforms, M,
+  the parameter file, and sizes and export times.
+  """
+  from safetensors import numpy as safetensors_numpy  # pylint: disable=import-outside-toplevel
+  model, tokenizer = loaded.model, loaded.tokenizer
+  max_new_tokens, platforms, programs = variants(model.cfg, **options)
+  state = params_lib.cast_params(nnx.state(model), dtype)
+  graphdef = nnx.graphdef(model)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  names = [fingerprint.path_name(path) for path, _ in flat]
+  params = {name: np.asarray(leaf) for name, (_, leaf) in zip(names, flat)}
+  safetensors_numpy.save_file(params, str(directory / PARAMS_FILE))
+  tokenizer.save(directory)
+  config = loaded.config.to_dict()
+  config['model']['param_dtype'] = dtype.name
+  config['init_from'] = ''
+  (directory / 'config.json').write_text(json.dumps(config, indent=2, sort_keys=True,
+                                                    default=list))
+
+  emittable = _emittable(tokenizer, model.cfg)
+  key_data = jax.random.key_data(jax.random.key(0))
+  b, p = jax.export.symbolic_shape('b, p')
+  specs = ({n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in params.items()},
+           jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+           jax.ShapeDtypeStruct(key_data.shape, key_data.dtype),
+           *(jax.ShapeDtypeStruct((), jnp.int32),) * 3)
+  prng_impl = str(jax.config.jax_default_prng_impl)
+  records, all_failures = [], {}
+  for kwargs in programs:
+    request = request_lib.make_request(model.cfg, p, max_new_tokens=max_new_tokens, **kwargs,
+                                       **emittable)
+    fn = jax.jit(_generate_fn(graphdef, treedef, names, request, prng_impl))
+    start = time.perf_counter()
+    exported, failures = _export(fn, specs, platforms)
+    blob = exported.serialize()
+    name = _program_name(kwargs)
+    (directory / f'{name}{SUFFIX}').write_bytes(blob)
+    all_failures.update(failures)
+    records.append({
+        'file': f'{name}{SUFFIX}', 'decoder': kwargs['decoder'],
+        'temperature': kwargs['temperature'], 'top_k': kwargs['top_k'],
+        'top_p': kwargs['top_p'],
+        'tree': [list(c) for c in request.tree.choices] if request.drafts else None,
+        'lookup': request.tree.lookup_depth, 'histogram_width': request.depth + 2,
+        'platforms': list(exported.platforms), 'bytes': len(blob),
+        'export_seconds': round(time.perf_counter() - start, 3)})
+  return {
+      'programs': records, 'max_new_tokens': max_new_tokens,
+      'platforms': sorted(set.intersection(*(set(r['platforms']) for r in records))),
+      'lowering_failures': all_failures,
+      'shapes': {'batch': 'symbolic', 'prompt_width': 'symbolic'},
+      'params': {'file': PARAMS_FILE, 'count': len(names),
+                 'bytes': (directory / PARAMS_FILE).stat().st_size},
+      'prng_impl': prng_impl, 'key_shape': list(key_data.shape),
+      'key_dtype': str(key_data.dtype),
+      'vocab_size': model.cfg.trunk.vocab_size, 'max_seq_len': model.cfg.trunk.max_seq_len,
+      'calling_convention_version': exported.calling_convention_version,
+      'arguments': ['params', 'prompts', 'lengths', 'key', 'eos_id', 'pad_id',
+                    'max_new_tokens'],
+      'outputs': ['tokens', 'num_generated', 'num_steps', 'accepted_histogram']}
+
+
+def _emittable(tokenizer, model_cfg) -> dict:
+  from mtp import api  # pylint: disable=import-outside-toplevel  # As mtp.generate bans them.
+  return api._emittable(tokenizer, model_cfg)  # pylint: disable=protected-access
+
+
+def _program_name(kwargs: dict) -> str:
+  if not kwargs['temperature']:
+    return f'{kwargs["decoder"]}-greedy'
+  return (f'{kwargs["decoder"]}-t{kwargs["temperature"]:g}-k{kwargs["top_k"]}'
+          f'-p{kwargs["top_p"]:g}')
+
+
+def _generate_fn(graphdef, treedef, names: list[str], request: request_lib.DecodeRequest,
+                 prng_impl: str):
+  """The function exported: `driver`'s prefill and loop, with a traced max_new_tokens."""
+  m = request.max_new_tokens
+
+  def generate(params, prompts, lengths, key, eos_id, pad_id, max_new_tokens):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, [params[n] for n in names]))
+    rng = jax.random.wrap_key_data(key, impl=prng_impl)
+    # pylint: disable=protected-access  # The driver's two compiled pieces, as `decode` runs them.
+    # Every row is active (traced ones: the batch size is symbolic).
+    active = jnp.ones(prompts.shape[:1], bool)
+    prepared, state = driver._begin(model, prompts, lengths, request, rng, eos_id, pad_id,
+                                    active)
+    # The buffer is M wide: start each row M - max_new_tokens columns in, so the loop's own
+    # cut at M (static) falls after max_new_tokens tokens.
+    offset = m - jnp.clip(max_new_tokens, 1, m)
+    num_generated = state.num_generated + offset
+    state = state.replace(tokens=jnp.roll(state.tokens, offset, axis=1),
+                          num_generated=num_generated, done=state.done | (num_generated >= m))
+    state = driver._run(prepared.structure, prepared.leaves, state, jnp.int32(m), None,
+                        request)
+    return {'tokens': jnp.roll(state.tokens, -offset, axis=1)[:, :m],
+            'num_generated': state.num_generated - offset, 'num_steps': state.num_steps,
+            'accepted_histogram': state.histogram}
+  return generate
+
+
+def _export(fn, specs, platforms: tuple[str, ...]):
+  """(Exported for every platform of `platforms` that lowers, {platform: error} of others).
+
+  All at once first (one lowering); if that fails, each alone, then the ones that lowered
+  together.
+  """
+  try:
+    return jax.export.export(fn, platforms=platforms)(*specs), {}
+  except Exception:  # pylint: disable=broad-except  # Lowering raises many types.
+    if len(platforms) == 1:
+      raise
+  failures = {}
+  for platform in platforms:
+    try:
+      jax.export.export(fn, platforms=(platform,))(*specs)
+    except Exception as e:  # pylint: disable=broad-except
+      failures[platform] = f'{type(e).__name__}: {str(e).splitlines()[0][:300]}'
+  lowered = tuple(p for p in platforms if p not in failures)
+  if not lowered:
+    raise ExportError(f'the generate function lowers for none of {list(platforms)}: {failures}')
+  return jax.export.export(fn, platforms=lowered)(*specs), failures

@@ -1,0 +1,206 @@
+"""The export driver: checks, loads the workdir once, writes a format into a staging sibling.
+
+`export(workdir, format, output)` checks everything it can before any work (the format, the
+dtype, the format's options, the workdir and its checkpoint, the output path), then loads the
+model (`mtp.load`: a heads-on-a-frozen-base workdir comes back merged, trunk and heads) and
+hands it to the format's `write(loaded, directory, dtype, **options) -> dict`, which fills an
+empty directory. That directory is a temporary sibling of `output` (`.NAME.exporting-PID`),
+renamed to `output` only when complete and holding its `export.json`; any failure removes it,
+so `output` is either whole or absent.
+
+The lock taken is the output's (`<output>.lock`, `checkpoint/workdir_lock.py`): the export
+writes there, and two exports to one output would race between their checks and the rename.
+The source workdir is only read (Orbax checkpoints are complete once listed), so a model can
+be exported while it trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import os
+import pathlib
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from mtp.export import ExportError
+from mtp.export import manifest as manifest_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """An export format.
+
+  Attributes:
+    name: what `--format` takes.
+    module: the module whose `write(loaded, directory, dtype, **options) -> dict` writes it.
+    dtypes: the parameter dtypes it can hold (the first is the default).
+    options: the keyword options its `write` takes beyond those.
+    summary: one line for help texts.
+  """
+  name: str
+  module: str
+  dtypes: tuple[str, ...]
+  options: tuple[str, ...]
+  summary: str
+
+
+_REGISTRY = (
+    Format('params', 'mtp.export.params', ('float32', 'bfloat16'), (),
+           'a param-only Orbax checkpoint, config.json and the tokenizer (mtp.load reads it)'),
+    Format('hf', 'mtp.export.hf', ('float32', 'bfloat16'), (),
+           'a Hugging Face Llama directory, heads in their serving systems\' formats'),
+    Format('jax_export', 'mtp.export.jax_artifact', ('float32', 'bfloat16'),
+           ('max_new_tokens', 'tree', 'lookup', 'temperature', 'top_k', 'top_p', 'platforms'),
+           'the whole generate function serialized with jax.export, parameters beside it'),
+)
+FORMATS: dict[str, Format] = {f.name: f for f in _REGISTRY}
+NAMES: tuple[str, ...] = tuple(FORMATS)
+
+
+def get_format(name: str) -> Format:
+  """The format called `name`; ExportError listing the formats otherwise."""
+  try:
+    return FORMATS[name]
+  except (KeyError, TypeError):
+    raise ExportError(f'unknown export format {name!r}: use one of {", ".join(NAMES)}'
+                      ) from None
+
+
+def export(workdir: str | os.PathLike, format: str, output: str | os.PathLike, *,  # noqa: A002
+           dtype: str | None = None, **options) -> dict[str, Any]:
+  """Exports the latest checkpoint of `workdir` to the new directory `output`.
+
+  Args:
+    workdir: a training or imported workdir (heads on a frozen base included).
+    format: a name in `NAMES`.
+    output: the directory to create; it must not exist.
+    dtype: the parameters' dtype in the export (None: float32).
+    **options: the format's own options (`Format.options`), such as jax_export's
+      max_new_tokens.
+
+  Returns:
+    A summary: format, output, dtype, step, bytes, seconds (load, write, total) and the
+    format's own figures. The same, with the source, is the export's `export.json`.
+
+  Raises:
+    ExportError: an unknown format, an unsupported dtype or option, a workdir without a
+      checkpoint, an existing output; nothing is written then.
+    checkpointing.CheckpointError: the checkpoint is unreadable (the message names it).
+    workdir_lock.WorkdirLockedError: another export writes `output`.
+  """
+  start = time.perf_counter()
+  fmt = get_format(format)
+  np_dtype = _checked_dtype(fmt, dtype)
+  workdir, output = pathlib.Path(workdir), pathlib.Path(output)
+  module = _module(fmt)
+  unknown = sorted(set(options) - set(fmt.options))
+  if unknown:
+    raise ExportError(f'option {", ".join(unknown)} does not apply to --format={fmt.name}'
+                      + (f' (it takes {", ".join(fmt.options)})' if fmt.options else ''))
+  step = check_workdir(workdir)
+  _check_output(output)
+  if hasattr(module, 'check_options'):  # Before the model loads: bad options fail at once.
+    module.check_options(workdir, np_dtype, **options)
+
+  import mtp  # pylint: disable=import-outside-toplevel  # JAX starts here, after the checks.
+  from mtp.checkpoint import workdir_lock  # pylint: disable=import-outside-toplevel
+  output.parent.mkdir(parents=True, exist_ok=True)
+  with workdir_lock.WorkdirLock(output):
+    _check_output(output)  # Still free now that it is ours.
+    loaded = mtp.load(workdir, step=step)
+    loaded_at = time.perf_counter()
+    staging = output.with_name(f'.{output.name}.exporting-{os.getpid()}')
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+      staging.mkdir()
+      details = module.write(loaded, staging, np_dtype, **options) or {}
+      written_at = time.perf_counter()
+      summary = {
+          'format': fmt.name, 'output': str(output.absolute()), 'dtype': np_dtype.name,
+          'step': int(loaded.step), 'bytes': manifest_lib.directory_bytes(staging),
+          'seconds': {'load': round(loaded_at - start, 3),
+                      'write': round(written_at - loaded_at, 3),
+                      'total': round(written_at - start, 3)},
+          fmt.name: details}
+      manifest_lib.write(staging, {**summary, **_provenance(workdir, loaded.step)})
+      _check_output(output)
+      os.rename(staging, output)
+    except BaseException:
+      shutil.rmtree(staging, ignore_errors=True)
+      raise
+  return summary
+
+
+def _checked_dtype(fmt: Format, dtype: str | None) -> np.dtype:
+  name = fmt.dtypes[0] if dtype is None else dtype
+  if name not in fmt.dtypes:
+    raise ExportError(f'--format={fmt.name} cannot hold dtype {dtype!r}: use one of '
+                      f'{", ".join(fmt.dtypes)}')
+  import ml_dtypes  # pylint: disable=import-outside-toplevel  # numpy has no bfloat16.
+  return np.dtype(ml_dtypes.bfloat16) if name == 'bfloat16' else np.dtype(name)
+
+
+def _module(fmt: Format):
+  """The format's writer module, imported only when asked for (hf's may not exist yet)."""
+  try:
+    return importlib.import_module(fmt.module)
+  except ModuleNotFoundError as e:
+    if e.name != fmt.module:
+      raise
+    raise ExportError(f'--format={fmt.name} is not available in this version of mtp '
+                      f'({fmt.module} is missing)') from None
+
+
+def check_workdir(workdir: pathlib.Path) -> int:
+  """The latest checkpoint step of a workdir that can be exported; ExportError otherwise."""
+  from mtp.checkpoint import checkpointing  # pylint: disable=import-outside-toplevel
+  if not workdir.is_dir():
+    raise ExportError(f'workdir {workdir} does not exist')
+  record = manifest_lib.read(workdir)
+  if record is not None and record['format'] != 'params':
+    raise ExportError(f'{workdir} is a {record["format"]} export, not a workdir: export from '
+                      f'the workdir it came from ({record.get("source", {}).get("workdir")})')
+  if not (workdir / checkpointing.CONFIG_FILENAME).is_file():
+    raise ExportError(f'{workdir} is not an mtp workdir: it has no '
+                      f'{checkpointing.CONFIG_FILENAME}')
+  step = _latest_step(workdir)
+  try:
+    base = checkpointing.base_reference(workdir)
+  except checkpointing.CheckpointError as e:
+    raise ExportError(str(e)) from None
+  if base is not None:
+    _latest_step(base)  # Its trunk: named now rather than after loading the heads.
+  return step
+
+
+def _latest_step(workdir: pathlib.Path) -> int:
+  from mtp.checkpoint import checkpointing  # pylint: disable=import-outside-toplevel
+  checkpointer = checkpointing.Checkpointer(workdir, read_only=True)
+  try:
+    steps = checkpointer.all_steps()
+  finally:
+    checkpointer.close()
+  if not steps:
+    raise ExportError(f'{workdir} holds no checkpoint to export (nothing under '
+                      f'{workdir / checkpointing.CHECKPOINT_DIRNAME}): train it first')
+  return max(steps)
+
+
+def _check_output(output: pathlib.Path) -> None:
+  if output.exists() or output.is_symlink():
+    kind = 'directory' if output.is_dir() else 'file'
+    raise ExportError(f'output {output} already exists (a {kind}): exports never write over '
+                      'anything; remove it or choose another --output')
+
+
+def _provenance(workdir: pathlib.Path, step: int) -> dict[str, Any]:
+  import jax  # pylint: disable=import-outside-toplevel
+  import mtp  # pylint: disable=import-outside-toplevel
+  return {'source': {'workdir': str(workdir.absolute()), 'step': int(step)},
+          'created': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          'jax_version': jax.__version__, 'mtp_version': mtp.__version__}
