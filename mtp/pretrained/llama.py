@@ -4,14 +4,15 @@ Both readers (`gguf_file`, `hf_directory`) produce a `Checkpoint`: the hyper-par
 (`LlamaShape`) and float32 numpy tensors under the Hugging Face names, in the Hugging Face layout:
 linear weights are [out, in] and the rows of q_proj/k_proj follow the half-split rotary layout that
 `transformer.rotary_embedding` uses. `to_params` checks every tensor against the shape and returns
-the pure-dict parameter tree of an `MTPModel` with no heads.
+the pure-dict parameter tree of an `MTPModel` with no heads; `from_params` and `block_tensors` go
+the other way (the Hugging Face export, `mtp.export.hf`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -170,6 +171,45 @@ def to_params(checkpoint: Checkpoint) -> dict[str, Any]:
   if not checkpoint.shape.tie_embeddings:
     trunk['output'] = t[LM_HEAD].T
   return {'trunk': trunk}
+
+
+def block_tensors(block: Mapping[str, Any], i: int) -> dict[str, np.ndarray]:
+  """The Hugging Face tensors of a trunk block as Llama layer i: `to_params`' inverse.
+
+  Args:
+    block: the block's pure-dict parameters (`attn_norm`, `attn`, `mlp_norm`, `mlp`; kernels
+      [in, out]).
+  Returns:
+    Hugging Face name -> float32 array ([out, in] weights), in `layer_names` order.
+  """
+  groups = {'attn_norm': block['attn_norm'], 'mlp_norm': block['mlp_norm'],
+            **block['attn'], **block['mlp']}
+  out = {}
+  for ours, name in layer_names(i).items():
+    values = groups[ours]
+    out[name] = np.asarray(values['scale'] if 'scale' in values else values['kernel'].T,
+                           np.float32)
+  return out
+
+
+def from_params(params: Mapping[str, Any], tie_embeddings: bool) -> dict[str, np.ndarray]:
+  """The Hugging Face tensors of a trunk: `to_params`' inverse.
+
+  Args:
+    params: `nnx.to_pure_dict` of an `MTPModel` (its `trunk` entry is read) or of its trunk.
+    tie_embeddings: whether the output layer is the embedding (then no `lm_head.weight`).
+  Returns:
+    Hugging Face name -> float32 array: the embedding, the blocks in order, the final norm, and
+    the output layer [V, D] when untied.
+  """
+  trunk = params.get('trunk', params)
+  out = {EMBED: np.asarray(trunk['embedding']['embedding'], np.float32)}
+  for i in sorted(trunk['blocks'], key=int):
+    out.update(block_tensors(trunk['blocks'][i], int(i)))
+  out[FINAL_NORM] = np.asarray(trunk['final_norm']['scale'], np.float32)
+  if not tie_embeddings:
+    out[LM_HEAD] = np.asarray(trunk['output'], np.float32).T
+  return out
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -68,3 +68,15 @@ def test_untied_output_is_transposed():
   llama.check(checkpoint, 'src')
   np.testing.assert_array_equal(llama.to_params(checkpoint)['trunk']['output'],
                                 checkpoint.tensors['lm_head.weight'].T)
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_from_params_inverts_to_params(tied):
+  shape = dataclasses.replace(testing.SHAPE, tie_embeddings=tied)
+  checkpoint = _checkpoint(shape=shape)
+  if not tied:
+    checkpoint.tensors[llama.LM_HEAD] = np.ones((shape.vocab_size, shape.embed_dim), np.float32)
+  back = llama.from_params(llama.to_params(checkpoint), tied)
+  assert set(back) == set(llama.expected_shapes(shape))
+  for name, values in back.items():
+    np.testing.assert_array_equal(values, checkpoint.tensors[name], err_msg=name)

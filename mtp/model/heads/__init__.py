@@ -13,7 +13,9 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
     of its cache layers there) and its part of that pass (`verify`), which returns the
     per-token `features` pytree ([B, T, ...] arrays) the family drafts from;
   * its drafting step (`draft`): from the features along a run of accepted tokens, the draft
-    logits [depth, B, V] at the run's last accepted token.
+    logits [depth, B, V] at the run's last accepted token;
+  * its serving format (`hf_export`, optional): what `mtp.export.hf` writes for it beside the
+    Hugging Face Llama directory of the trunk (`HFExport`); None if it has none.
 
 How to add a head family: write `mtp/model/heads/<name>.py` with one `HeadFamily` subclass that
 implements the methods above (see `medusa.py` for the smallest, `sequential.py` for one that
@@ -25,10 +27,12 @@ per-head children the attribute name `layers`, so parameter paths read `heads/la
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+import dataclasses
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mtp.model import kv_cache as kv_cache_lib
@@ -36,6 +40,53 @@ from mtp.model import transformer
 from mtp.model.heads.legacy import is_legacy_tree, upgrade_legacy_tree  # noqa: F401  (the API)
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class HFExportContext:
+  """What a family's Hugging Face export reads besides its own parameters.
+
+  Attributes:
+    trunk_cfg: the trunk's shape (L = trunk_cfg.num_layers, D, V, norm eps ...).
+    embedding: [V, D] float32, the token embedding (`model.embed_tokens.weight`).
+    unembedding: [V, D] float32, the shared output layer as Hugging Face stores it
+      (`lm_head.weight`; the embedding when tied).
+    block_tensors: (a `transformer.Block`, i) -> its weights under Llama layer i's Hugging Face
+      names (`model.layers.{i}.self_attn.q_proj.weight`, ...; float32, [out, in]).
+  """
+  trunk_cfg: transformer.TransformerConfig
+  embedding: np.ndarray
+  unembedding: np.ndarray
+  block_tensors: Callable[[transformer.Block, int], dict[str, np.ndarray]]
+
+
+@dataclasses.dataclass
+class HFSubdirectory:
+  """A directory of its own inside the export: its `config.json` and its weights."""
+  config: dict[str, Any]
+  tensors: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass
+class HFExport:
+  """A family's part of a Hugging Face export. Arrays are float32 numpy; the exporter casts
+  them to the export's dtype and shards them.
+
+  Attributes:
+    format: the serving format's name, for the export's summary (e.g. 'vllm-medusa').
+    tensors: added to the Llama directory's weights (`model.safetensors`).
+    config: keys added to the Llama directory's `config.json`.
+    subdirectories: relative name -> a directory written inside the export.
+  """
+  format: str
+  tensors: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  config: dict[str, Any] = dataclasses.field(default_factory=dict)
+  subdirectories: dict[str, HFSubdirectory] = dataclasses.field(default_factory=dict)
+
+
+def as_numpy(param) -> np.ndarray:
+  """A parameter's value as a float32 numpy array (for exports)."""
+  return np.asarray(param[...], np.float32)
 
 
 class HeadFamily(nnx.Module):
@@ -123,6 +174,16 @@ class HeadFamily(nnx.Module):
       (float32 logits [depth, B, V] of heads 1..depth, cache).
     """
     raise NotImplementedError
+
+  def hf_export(self, context: HFExportContext) -> HFExport | None:
+    """The heads in a serving system's format, beside a Hugging Face Llama export of the trunk.
+
+    Returns:
+      What to write (see `HFExport`), or None when the family has no such format (the export
+      then names the family and refuses).
+    """
+    del context
+    return None
 
 
 def causal_mask(t: int) -> Array:

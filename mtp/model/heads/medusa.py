@@ -3,6 +3,10 @@
 Each residual branch starts at zero, so every head starts out predicting what the trunk
 predicts. The heads do not attend: they need no cache, and they stay out of the verification
 pass (they draft from the trunk's normed states, gathered at the last accepted token).
+
+Serving format (`hf_export`): vLLM's Medusa checkpoint (vLLM `model_executor/models/medusa.py`,
+config class `transformers_utils/configs/medusa.py`), in the export's `medusa/` directory.
+vLLM's Medusa reads the target model's last hidden state after its final norm, as these heads do.
 """
 
 from __future__ import annotations
@@ -66,6 +70,29 @@ class MedusaHeads(heads.HeadFamily):
 
   def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer):
     return normed, cache
+
+  def hf_export(self, context: heads.HFExportContext) -> heads.HFExport:
+    """vLLM's Medusa format: `blocks.{i}.layers.{j}.weight` [D, D] ([out, in]) and `.bias` [D]
+    (ResBlock j of head i: x + SiLU(W x + b)), then `lm_heads.{i}.weight` [V, D].
+
+    The heads share the trunk's output layer, so every `lm_heads.{i}` holds a copy of it and
+    `original_lm_head` says so (vLLM then keeps one). The config holds only Medusa's keys: vLLM's
+    loader renames every key containing "num" and "heads"/"layers" to num_heads /
+    num_hidden_layers, so a base model's `num_attention_heads` would overwrite them.
+    """
+    cfg = context.trunk_cfg
+    tensors = {}
+    for i, head in enumerate(self.layers):
+      for j, block in enumerate(head.blocks):
+        tensors[f'blocks.{i}.layers.{j}.weight'] = heads.as_numpy(block.linear.kernel).T
+        tensors[f'blocks.{i}.layers.{j}.bias'] = heads.as_numpy(block.linear.bias)
+      tensors[f'lm_heads.{i}.weight'] = context.unembedding
+    config = {'model_type': 'medusa', 'architectures': ['MedusaModel'],
+              'hidden_size': cfg.embed_dim, 'vocab_size': cfg.vocab_size,
+              'num_heads': len(self.layers), 'num_hidden_layers': len(self.layers[0].blocks),
+              'medusa_fc_bias': True, 'original_lm_head': True}
+    return heads.HFExport(format='vllm-medusa',
+                          subdirectories={'medusa': heads.HFSubdirectory(config, tensors)})
 
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
     # The cheap ResBlocks run on the one gathered position, not on the whole run.

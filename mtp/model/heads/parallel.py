@@ -4,6 +4,20 @@ Every head reads the trunk's last (pre-norm) hidden state and attends over earli
 so each keeps a KV-cache layer. The heads run inside the verification pass (their layers see
 the same tokens as the trunk's), and drafting only gathers their outputs at the last accepted
 token.
+
+Serving format (`hf_export`): no serving system runs these heads, so the layout is this
+project's, in the export's `parallel_heads/` directory:
+  * `config.json`: `model_type` "mtp_parallel_heads", `num_heads` K, and the Llama keys of the
+    blocks' shape (`hidden_size`, `intermediate_size`, `num_attention_heads`,
+    `num_key_value_heads`, `head_dim`, `rms_norm_eps`, `rope_theta`, `hidden_act`);
+  * `model.safetensors`: head k (0-based, predicting token t+2+k from position t) as Llama layer
+    k, `model.layers.{k}.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+    mlp.{gate,up,down}_proj}.weight` (the half-split rotary layout of Hugging Face Llama), plus
+    its output norm `model.layers.{k}.norm.weight`.
+Head k reads the base model's last hidden state h_0 *before* its final norm, runs its layer
+causally over the sequence (its own KV cache, the trunk's positions), applies its norm, and
+projects through the base model's output layer (`lm_head`, or the embedding when tied):
+  logits_k = lm_head(norm_k(layer_k(h_0))).
 """
 
 from __future__ import annotations
@@ -65,6 +79,29 @@ class ParallelHeads(heads.HeadFamily):
     outputs, updated = self._run(hidden, positions, mask, cache, lengths, first_layer)
     features = jnp.stack(outputs, axis=2)  # [B, T, K, D]
     return features, transformer.replace_layers(cache, first_layer, updated)
+
+  def hf_export(self, context: heads.HFExportContext) -> heads.HFExport:
+    """The layout in the module docstring (`parallel_heads/`)."""
+    cfg = context.trunk_cfg
+    tensors = {}
+    for k, layer in enumerate(self.layers):
+      tensors.update(context.block_tensors(layer.block, k))
+      tensors[f'model.layers.{k}.norm.weight'] = heads.as_numpy(layer.norm.scale)
+    config = {
+        'model_type': 'mtp_parallel_heads', 'architectures': ['MTPParallelHeads'],
+        'num_heads': len(self.layers), 'hidden_size': cfg.embed_dim,
+        'intermediate_size': cfg.mlp_dim, 'num_attention_heads': cfg.num_attention_heads,
+        'num_key_value_heads': cfg.num_kv_heads, 'head_dim': cfg.head_dim,
+        'rms_norm_eps': cfg.norm_eps, 'rope_theta': cfg.rope_theta, 'hidden_act': 'silu',
+        'vocab_size': cfg.vocab_size, 'max_position_embeddings': cfg.max_seq_len,
+        'description': ('Gloeckle et al. parallel heads: logits_k = lm_head(norm_k(layer_k(h)))'
+                        ' where h is the base model\'s last hidden state before its final norm '
+                        'and lm_head is the base model\'s output layer; layer k is a causal '
+                        'Llama layer over the sequence.'),
+    }
+    return heads.HFExport(
+        format='mtp-parallel-heads',
+        subdirectories={'parallel_heads': heads.HFSubdirectory(config, tensors)})
 
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
     at_last = kv_cache_lib.gather_rows(features, last_index)  # [B, K, D]

@@ -6,6 +6,15 @@ with the trunk. Each module attends, so it keeps a KV-cache layer. The modules s
 verification pass: module k needs token x_{t+k}, which is known only after verification, so
 drafting runs them over the accepted run (features: the trunk's hidden states there), feeding
 each module's top-1 draft to the next.
+
+Serving format (`hf_export`): DeepSeek-V3's MTP layers (as vLLM's `deepseek_mtp.py` loads them),
+stored in the Hugging Face directory as layers L.. after the trunk's L, with
+`num_nextn_predict_layers` in config.json. Two differences from vLLM's DeepSeek MTP remain, and
+both touch only the drafts (verification keeps the output exact):
+  * vLLM feeds the first module the target's hidden state after its final norm; module 1 here
+    reads h_0 before it. `hnorm` rescales either, so they agree exactly only when the final
+    norm's scale is uniform across features.
+  * vLLM zeroes the token embedding at position 0; these modules do not.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mtp.model import heads
@@ -92,6 +102,32 @@ class SequentialHeads(heads.HeadFamily):
         top1 = jnp.argmax(head, axis=-1).astype(tokens.dtype)
         tokens = kv_cache_lib.write_rows(tokens, top1[:, None], last_index + k + 2)
     return jnp.stack(logits), cache
+
+  def hf_export(self, context: heads.HFExportContext) -> heads.HFExport:
+    """Module k as DeepSeek-V3 MTP layer L + k: `enorm`, `hnorm`, `eh_proj` [D, 2D],
+    `shared_head.norm`, `shared_head.head` [V, D] (the shared output layer), and the block under
+    the usual Llama names; the first also carries the shared `embed_tokens` [V, D], where vLLM
+    reads it.
+
+    vLLM computes eh_proj(cat[enorm(embedding), hnorm(hidden)]), embedding half first; `proj`
+    here reads [hidden; embedding], so the two halves of its input columns are swapped.
+    """
+    cfg = context.trunk_cfg
+    d = cfg.embed_dim
+    tensors = {}
+    for k, module in enumerate(self.layers):
+      prefix = f'model.layers.{cfg.num_layers + k}.'
+      weight = heads.as_numpy(module.proj.kernel).T  # [D, 2D]: columns [hidden | embedding]
+      if k == 0:
+        tensors[prefix + 'embed_tokens.weight'] = context.embedding
+      tensors[prefix + 'enorm.weight'] = heads.as_numpy(module.embed_norm.scale)
+      tensors[prefix + 'hnorm.weight'] = heads.as_numpy(module.hidden_norm.scale)
+      tensors[prefix + 'eh_proj.weight'] = np.concatenate([weight[:, d:], weight[:, :d]], axis=1)
+      tensors.update(context.block_tensors(module.block, cfg.num_layers + k))
+      tensors[prefix + 'shared_head.norm.weight'] = heads.as_numpy(module.out_norm.scale)
+      tensors[prefix + 'shared_head.head.weight'] = context.unembedding
+    return heads.HFExport(format='deepseek-v3-mtp', tensors=tensors,
+                          config={'num_nextn_predict_layers': len(self.layers)})
 
   def module_step(self, trunk, index: int, hidden_prev: Array, next_tokens: Array,
                   positions: Array, cache: kv_cache_lib.KVCache, lengths: Array,

@@ -1,0 +1,385 @@
+"""The Hugging Face export against its consumers: transformers (model, tokenizer, generation),
+our own importer (round trip), and independent torch implementations of the heads' formats.
+
+Models are tiny and random (every parameter perturbed, so a transposed or swapped tensor cannot
+pass by symmetry): one per head family, with a byte tokenizer or a BPE one with a chat template,
+tied or untied output layers, and sharded weights. The torch references are written here from
+the published formats (vLLM's Medusa ResBlocks, DeepSeek-V3's MTP layer, the parallel-heads
+layout in `mtp/model/heads/parallel.py`), not from our modules.
+
+transformers and torch come with the `peer` extra; the tests that need them skip without it.
+"""
+
+import json
+import pathlib
+import sysconfig
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mtp
+from mtp import api
+from mtp.data import tokenizer as tokenizer_lib
+from mtp.export import ExportError
+from mtp.export import hf
+from mtp.model import heads as heads_lib
+from mtp.model import mtp_model
+from mtp.model.heads import medusa
+from mtp.pretrained import safetensors_file
+from mtp.pretrained import testing as pretrained_testing
+from mtp.pretrained import workdir as workdir_lib
+from mtp.train import testing
+
+STDLIB = pathlib.Path(sysconfig.get_paths()['stdlib'])
+PROSE = ('The quick brown fox jumps over the lazy dog. "Well," she said, it\'s not what we '
+         'expected -- is it? Prices rose 3.5% in 2024; naïve café owners in Zürich noticed.\n\n'
+         'A second paragraph, with  two spaces, a tab\there, and a final line.\n')
+CHAT = pretrained_testing.CHAT_TEMPLATE
+# family -> (config overrides, tokenizer kind, max_shard_bytes)
+CASES = {
+    'medusa': ({'model.medusa_num_layers': 2}, 'byte', hf.DEFAULT_MAX_SHARD_BYTES),
+    'sequential': ({}, 'bpe', 100_000),  # Sharded: the trunk and MTP layers over many files.
+    'parallel': ({'model.tie_embeddings': False}, 'byte', hf.DEFAULT_MAX_SHARD_BYTES),
+}
+
+
+def _texts() -> dict[str, str]:
+  code = (STDLIB / 'textwrap.py').read_text()[:3000]
+  license_file = STDLIB / 'LICENSE.txt'
+  prose = license_file.read_text()[:3000] if license_file.exists() else PROSE
+  return {'code': code, 'prose': PROSE + prose, 'unicode': 'emoji 🙂 日本語 e\u0301 Ελληνικά'}
+
+
+@pytest.fixture(scope='module')
+def bpe_tokenizer():
+  files = ['textwrap.py', 'string.py', 'shlex.py', 'glob.py']
+  trained = tokenizer_lib.train_bpe([(STDLIB / f).read_text() for f in files] + [PROSE],
+                                    vocab_size=600)
+  return tokenizer_lib.Tokenizer(trained.hf_tokenizer, trained.special_ids, chat_template=CHAT)
+
+
+def _perturbed(model: mtp_model.MTPModel, seed: int) -> None:
+  """Adds noise to every parameter in place: norms and biases leave 1 and 0, Medusa's zero
+  ResBlocks come alive."""
+  state = nnx.state(model, nnx.Param)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  noisy = []
+  for key, leaf in zip(keys, leaves):
+    scale = 0.2 if leaf.ndim == 1 else 0.5 / np.sqrt(leaf.shape[0])
+    noisy.append(leaf + scale * jax.random.normal(key, leaf.shape, leaf.dtype))
+  nnx.update(model, jax.tree.unflatten(treedef, noisy))
+
+
+def _loaded(family: str, bpe_tokenizer, seed: int = 0) -> api.LoadedModel:
+  overrides, kind, _ = CASES[family]
+  tokenizer = tokenizer_lib.byte_tokenizer() if kind == 'byte' else bpe_tokenizer
+  config = testing.tiny_config(**{'model.mtp_head_type': family, **overrides})
+  # Spare output rows past the tokenizer's vocabulary, as configs/tiny.py has.
+  config.model.vocab_size = -(-tokenizer.vocab_size // 8) * 8 + 8
+  model = mtp_model.MTPModel(mtp_model.ModelConfig.from_config(config.model), rngs=nnx.Rngs(seed))
+  _perturbed(model, seed)
+  return api.LoadedModel(model=model, tokenizer=tokenizer, config=config, step=0,
+                             workdir=pathlib.Path('unused'))
+
+
+@pytest.fixture(scope='module')
+def exports(bpe_tokenizer, tmp_path_factory):
+  """family -> (LoadedModel, export directory, write's summary)."""
+  out = {}
+  for family, (_, _, max_shard_bytes) in CASES.items():
+    loaded = _loaded(family, bpe_tokenizer)
+    directory = tmp_path_factory.mktemp(family)
+    out[family] = loaded, directory, hf.write(loaded, directory, np.float32,
+                                              max_shard_bytes=max_shard_bytes)
+  return out
+
+
+def _ours(loaded, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(logits [K+1, B, T, V] of the trunk and every head, h_0 [B, T, D] before the final norm)."""
+  model = loaded.model
+  tokens = jnp.asarray(tokens)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  hidden, _ = model.trunk(tokens, positions)
+  return np.asarray(model.logits(model(tokens, positions))), np.asarray(hidden)
+
+
+def _tokens(loaded, length: int = 48) -> np.ndarray:
+  texts = _texts()
+  return np.asarray([loaded.tokenizer.encode(texts[k])[:length] for k in ('code', 'prose')],
+                    np.int32)
+
+
+# ------------------------------------------------------------------------------------------
+# Without transformers: files, round trip, errors.
+# ------------------------------------------------------------------------------------------
+
+def test_directory_contents(exports):
+  _, directory, summary = exports['sequential']
+  index = json.loads((directory / hf.INDEX).read_text())
+  shards = sorted(set(index['weight_map'].values()))
+  assert len(shards) > 2 and all((directory / s).is_file() for s in shards)
+  assert not (directory / hf.WEIGHTS).exists()
+  assert summary['files'] == {str(p.relative_to(directory)): p.stat().st_size
+                              for p in directory.rglob('*') if p.is_file()}
+  assert summary['heads'] == {'family': 'sequential', 'num_heads': 3, 'format': 'deepseek-v3-mtp',
+                              'tensors_in_llama_directory': 3 * 14 + 1, 'subdirectories': []}
+  config = json.loads((directory / 'config.json').read_text())
+  assert config['num_nextn_predict_layers'] == 3 and config['tie_word_embeddings']
+  assert (directory / 'chat_template.jinja').read_text() == CHAT
+  generation = json.loads((directory / 'generation_config.json').read_text())
+  loaded = exports['sequential'][0]
+  assert generation['suppress_tokens'] == [0, *range(loaded.tokenizer.vocab_size,
+                                                     loaded.model.cfg.trunk.vocab_size)]
+  medusa_dir = exports['medusa'][1] / 'medusa'
+  assert sorted(p.name for p in medusa_dir.iterdir()) == ['config.json', 'model.safetensors']
+  assert not (exports['parallel'][1] / 'chat_template.jinja').exists()
+
+
+@pytest.mark.parametrize('family', list(CASES))
+def test_import_weights_reads_the_export_back(exports, family, tmp_path):
+  loaded, directory, _ = exports[family]
+  back = mtp.load(workdir_lib.import_weights(directory, tmp_path / 'w'))
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(loaded.model.trunk)),
+               nnx.to_pure_dict(nnx.state(back.model.trunk)))
+  assert back.tokenizer.special_ids == loaded.tokenizer.special_ids
+  assert back.tokenizer.chat_template == loaded.tokenizer.chat_template
+  assert back.tokenizer.to_json() == loaded.tokenizer.to_json()
+
+
+def test_bfloat16_export_reads_back_rounded(exports, tmp_path):
+  import ml_dtypes
+  loaded = exports['medusa'][0]
+  directory = tmp_path / 'bf16'
+  directory.mkdir()
+  hf.write(loaded, directory, 'bfloat16')
+  for path in (directory / hf.WEIGHTS, directory / 'medusa' / hf.WEIGHTS):
+    header, _ = safetensors_file.read_header(path)
+    assert {info['dtype'] for info in header.values()} == {'BF16'}
+  assert json.loads((directory / 'config.json').read_text())['torch_dtype'] == 'bfloat16'
+  back = mtp.load(workdir_lib.import_weights(directory, tmp_path / 'w'))
+  want = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32),
+                      nnx.to_pure_dict(nnx.state(loaded.model.trunk)))
+  jax.tree.map(np.testing.assert_array_equal, want, nnx.to_pure_dict(nnx.state(back.model.trunk)))
+
+
+@pytest.mark.parametrize('dtype', ['int8', np.float64, 'float8_e4m3fn'])
+def test_a_dtype_the_format_cannot_hold(exports, tmp_path, dtype):
+  with pytest.raises(ExportError, match='the hf format holds float32, bfloat16, float16'):
+    hf.write(exports['medusa'][0], tmp_path, dtype)
+  assert not list(tmp_path.iterdir())
+
+
+def test_values_out_of_float16_range(bpe_tokenizer, tmp_path):
+  loaded = _loaded('medusa', bpe_tokenizer)
+  norm = loaded.model.trunk.final_norm.scale
+  norm[...] = norm[...].at[0].set(1e6)
+  with pytest.raises(ExportError, match='model.norm.weight does not fit in float16'):
+    hf.write(loaded, tmp_path, np.float16)
+  assert not list(tmp_path.iterdir())
+
+
+class NoFormatHeads(medusa.MedusaHeads):
+  """A family like Medusa but without a serving format (the default hook)."""
+
+  def hf_export(self, context):
+    return heads_lib.HeadFamily.hf_export(self, context)
+
+
+def test_a_head_family_without_a_format(monkeypatch, tmp_path):
+  monkeypatch.setitem(heads_lib.FAMILIES, 'no_format', NoFormatHeads)
+  config = testing.tiny_config(**{'model.mtp_head_type': 'no_format'})
+  model = mtp_model.MTPModel(mtp_model.ModelConfig.from_config(config.model), rngs=nnx.Rngs(0))
+  loaded = api.LoadedModel(model=model, tokenizer=tokenizer_lib.byte_tokenizer(),
+                               config=config, step=0, workdir=tmp_path)
+  with pytest.raises(ExportError, match="cannot carry head family 'no_format'"):
+    hf.write(loaded, tmp_path, np.float32)
+  assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------
+# transformers and torch: the consumers.
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def torch():
+  torch = pytest.importorskip('torch')
+  pytest.importorskip('transformers')
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)  # Its spinning workers would fight JAX's for the 2 cores.
+  yield torch
+  torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope='module')
+def reference(exports, torch):
+  """family -> transformers' model of the export, and its (h_0, normed) hidden states on
+  `_tokens`, captured around its final norm."""
+  import transformers
+  out = {}
+  for family, (loaded, directory, _) in exports.items():
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
+                                                              dtype=torch.float32).eval()
+    captured = {}
+    hook = model.model.norm.register_forward_hook(
+        lambda module, args, result: captured.update(hidden=args[0], normed=result))
+    with torch.no_grad():
+      logits = model(torch.from_numpy(_tokens(loaded)).long()).logits
+    hook.remove()
+    out[family] = model, logits.numpy(), captured['hidden'], captured['normed']
+  return out
+
+
+def _weights(torch, directory: pathlib.Path) -> dict:
+  """Every tensor of a directory's safetensors (single or sharded) as torch tensors."""
+  from safetensors.torch import load_file
+  out = {}
+  for file in sorted(directory.glob('*.safetensors')):
+    out.update(load_file(file))
+  return out
+
+
+@pytest.mark.parametrize('family', list(CASES))
+def test_transformers_logits_match(exports, reference, family):
+  loaded = exports[family][0]
+  ours, hidden = _ours(loaded, _tokens(loaded))
+  _, theirs, their_hidden, _ = reference[family]
+  np.testing.assert_allclose(theirs, ours[0], atol=2e-5 * np.abs(ours[0]).max(), rtol=0)
+  np.testing.assert_allclose(their_hidden.numpy(), hidden, atol=1e-5 * np.abs(hidden).max())
+
+
+@pytest.mark.parametrize('family', ['medusa', 'sequential'])
+def test_greedy_generation_matches(exports, reference, torch, family):
+  """transformers' greedy `generate` with the exported generation_config equals mtp's."""
+  loaded = exports[family][0]
+  model = reference[family][0]
+  prompts = ['def wrap(text, width=70', 'The quick brown']
+  ours = mtp.generate(loaded, prompts, max_new_tokens=24, decoder='autoregressive')
+  for prompt, generation in zip(prompts, ours):
+    ids = torch.tensor([loaded.tokenizer.encode(prompt)])
+    with torch.no_grad():
+      out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24)
+    assert out[0, ids.shape[1]:].tolist() == generation.tokens, prompt
+
+
+@pytest.mark.parametrize('family', ['medusa', 'sequential'])
+def test_auto_tokenizer_reproduces_our_ids(exports, torch, family):
+  """Byte tokenizer (no template) and BPE (with a chat template), on code and prose."""
+  import transformers
+  loaded, directory, _ = exports[family]
+  ours = loaded.tokenizer
+  theirs = transformers.AutoTokenizer.from_pretrained(str(directory))
+  texts = _texts()
+  if ours.chat_template is None:  # Special-token strings stay text, as in mtp.
+    texts['literal'] = 'if token == "<eos>" or token == "<pad>":'
+  for name, text in texts.items():
+    ids = ours.encode(text)
+    assert theirs(text)['input_ids'] == ids, name  # Defaults: nothing added, no BOS.
+    assert theirs.decode(ids, skip_special_tokens=True) == text, name
+  assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (
+      ours.bos_id, ours.eos_id, ours.pad_id)
+  if ours.chat_template is not None:
+    messages = [{'role': 'user', 'content': 'Hi there'}]
+    rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == '<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n'
+
+
+def _rms(x, weight, eps):
+  return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * weight
+
+
+def _llama_layer(torch, x, w: dict, prefix: str, config: dict):
+  """One Hugging Face Llama decoder layer over x [T, D], causal, positions 0..T-1 (rotate_half
+  rotary embedding, grouped-query attention, SwiGLU), from the published architecture."""
+  f = torch.nn.functional
+  t = x.shape[0]
+  heads, groups, hd = (config['num_attention_heads'], config['num_key_value_heads'],
+                       config['head_dim'])
+  eps = config['rms_norm_eps']
+  inv_freq = 1.0 / config['rope_theta'] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+  angles = torch.cat([torch.arange(t, dtype=torch.float64)[:, None] * inv_freq] * 2, -1)
+  cos, sin = angles.cos().float()[:, None], angles.sin().float()[:, None]
+
+  def rotate(v):
+    half = v.shape[-1] // 2
+    return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
+
+  h = _rms(x, w[prefix + 'input_layernorm.weight'], eps)
+  q = rotate((h @ w[prefix + 'self_attn.q_proj.weight'].T).view(t, heads, hd))
+  k = rotate((h @ w[prefix + 'self_attn.k_proj.weight'].T).view(t, groups, hd))
+  v = (h @ w[prefix + 'self_attn.v_proj.weight'].T).view(t, groups, hd)
+  k, v = (z.repeat_interleave(heads // groups, dim=1) for z in (k, v))
+  attended = f.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                            v.transpose(0, 1), is_causal=True)
+  x = x + attended.transpose(0, 1).reshape(t, -1) @ w[prefix + 'self_attn.o_proj.weight'].T
+  h = _rms(x, w[prefix + 'post_attention_layernorm.weight'], eps)
+  mlp = f.silu(h @ w[prefix + 'mlp.gate_proj.weight'].T) * (h @ w[prefix + 'mlp.up_proj.weight'].T)
+  return x + mlp @ w[prefix + 'mlp.down_proj.weight'].T
+
+
+def _assert_logits_close(got, want):
+  np.testing.assert_allclose(got, want, atol=5e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_medusa_heads_in_vllm_format(exports, reference, torch):
+  """vLLM's Medusa: per head, ResBlocks x + SiLU(W x + b), then that head's lm_head, on the target
+  model's last hidden state after its final norm."""
+  loaded, directory, _ = exports['medusa']
+  config = json.loads((directory / 'medusa' / 'config.json').read_text())
+  assert config['model_type'] == 'medusa' and config['architectures'] == ['MedusaModel']
+  assert (config['num_heads'], config['num_hidden_layers'], config['medusa_fc_bias']) == (3, 2, True)
+  assert (config['hidden_size'], config['vocab_size']) == (64, loaded.model.cfg.trunk.vocab_size)
+  # vLLM renames keys holding "num" and "heads"/"layers": only Medusa's own may be there.
+  assert [k for k in config if 'num' in k] == ['num_heads', 'num_hidden_layers']
+  w = _weights(torch, directory / 'medusa')
+  normed = reference['medusa'][3][0]  # [T, D], the first row
+  ours, _ = _ours(loaded, _tokens(loaded))
+  for i in range(config['num_heads']):
+    x = normed
+    for j in range(config['num_hidden_layers']):
+      x = x + torch.nn.functional.silu(x @ w[f'blocks.{i}.layers.{j}.weight'].T
+                                       + w[f'blocks.{i}.layers.{j}.bias'])
+    _assert_logits_close((x @ w[f'lm_heads.{i}.weight'].T).numpy(), ours[1 + i, 0])
+
+
+def test_sequential_modules_as_deepseek_mtp_layers(exports, reference, torch):
+  """DeepSeek-V3's MTP layer k (vLLM's deepseek_mtp.py): h_k = block(eh_proj(cat[enorm(emb),
+  hnorm(h_{k-1})])) over the tokens shifted by k, logits = shared_head.head(shared_head.norm(h_k)).
+  h_0 is fed before the final norm, as mtp trains it (see sequential.py on vLLM's choice)."""
+  loaded, directory, _ = exports['sequential']
+  config = json.loads((directory / 'config.json').read_text())
+  layers, depth, eps = (config['num_hidden_layers'], config['num_nextn_predict_layers'],
+                        config['rms_norm_eps'])
+  w = _weights(torch, directory)
+  tokens = torch.from_numpy(_tokens(loaded)[0]).long()
+  t = tokens.shape[0]
+  ours, _ = _ours(loaded, _tokens(loaded))
+  h = reference['sequential'][2][0]  # h_0 [T, D]
+  embed = w[f'model.layers.{layers}.embed_tokens.weight']
+  for k in range(depth):
+    p = f'model.layers.{layers + k}.'
+    # At position i the module reads token i + k + 1 (zeros past the end, as in training).
+    shifted = torch.cat([embed[tokens[k + 1:]], torch.zeros(k + 1, embed.shape[1])])
+    x = torch.cat([_rms(shifted, w[p + 'enorm.weight'], eps), _rms(h, w[p + 'hnorm.weight'], eps)],
+                  -1) @ w[p + 'eh_proj.weight'].T
+    h = _llama_layer(torch, x, w, p, config)
+    logits = _rms(h, w[p + 'shared_head.norm.weight'], eps) @ w[p + 'shared_head.head.weight'].T
+    _assert_logits_close(logits.numpy()[:t - depth], ours[1 + k, 0, :t - depth])
+
+
+def test_parallel_heads_layout(exports, reference, torch):
+  """parallel_heads/: logits_k = lm_head(norm_k(layer_k(h_0))), h_0 before the final norm."""
+  loaded, directory, _ = exports['parallel']
+  config = json.loads((directory / 'parallel_heads' / 'config.json').read_text())
+  w = _weights(torch, directory / 'parallel_heads')
+  lm_head = _weights(torch, directory)['lm_head.weight']  # Untied in this case.
+  h = reference['parallel'][2][0]
+  ours, _ = _ours(loaded, _tokens(loaded))
+  assert config['num_heads'] == 3
+  for k in range(config['num_heads']):
+    out = _rms(_llama_layer(torch, h, w, f'model.layers.{k}.', config),
+               w[f'model.layers.{k}.norm.weight'], config['rms_norm_eps'])
+    _assert_logits_close((out @ lm_head.T).numpy(), ours[1 + k, 0])
