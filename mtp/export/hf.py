@@ -158,6 +158,22 @@ def tokenizer_config(tokenizer, max_seq_len: int) -> dict[str, Any]:
   return config
 
 
+def _no_format(family_name: str) -> ExportError:
+  return ExportError(f'the hf format cannot carry head family {family_name!r}: it has no '
+                     'serving format; export with --format=params or jax_export.')
+
+
+def check_options(workdir: pathlib.Path, dtype: Any) -> None:
+  """What can be refused before the model loads (`writer.export` calls it): the dtype, and a
+  head family that does not implement `hf_export` at all."""
+  from mtp.checkpoint import checkpointing  # pylint: disable=import-outside-toplevel
+  from mtp.model import mtp_model  # pylint: disable=import-outside-toplevel
+  check_dtype(dtype)
+  model_cfg = mtp_model.ModelConfig.from_config(checkpointing.load_config(workdir).model)
+  if model_cfg.mtp_num_heads and model_cfg.family.hf_export is heads_lib.HeadFamily.hf_export:
+    raise _no_format(model_cfg.mtp_head_type)
+
+
 def head_export(model, embedding: np.ndarray, unembedding: np.ndarray
                 ) -> heads_lib.HFExport | None:
   """The head family's `hf_export`, or None without heads; ExportError if it has no format."""
@@ -169,8 +185,7 @@ def head_export(model, embedding: np.ndarray, unembedding: np.ndarray
       block_tensors=lambda block, i: llama.block_tensors(nnx.to_pure_dict(nnx.state(block)), i))
   export = model.heads.hf_export(context)
   if export is None:
-    raise ExportError(f'the hf format cannot carry head family {model.cfg.mtp_head_type!r}: it '
-                      'has no serving format; export with --format=params or jax_export.')
+    raise _no_format(model.cfg.mtp_head_type)
   return export
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 
 import mtp
 from mtp import api
+from mtp.checkpoint import checkpointing
 from mtp.data import tokenizer as tokenizer_lib
 from mtp.export import ExportError
 from mtp.export import hf
@@ -183,10 +184,8 @@ def test_values_out_of_float16_range(bpe_tokenizer, tmp_path):
 
 
 class NoFormatHeads(medusa.MedusaHeads):
-  """A family like Medusa but without a serving format (the default hook)."""
-
-  def hf_export(self, context):
-    return heads_lib.HeadFamily.hf_export(self, context)
+  """A family like Medusa but without a serving format (the protocol's default hook)."""
+  hf_export = heads_lib.HeadFamily.hf_export
 
 
 def test_a_head_family_without_a_format(monkeypatch, tmp_path):
@@ -194,10 +193,19 @@ def test_a_head_family_without_a_format(monkeypatch, tmp_path):
   config = testing.tiny_config(**{'model.mtp_head_type': 'no_format'})
   model = mtp_model.MTPModel(mtp_model.ModelConfig.from_config(config.model), rngs=nnx.Rngs(0))
   loaded = api.LoadedModel(model=model, tokenizer=tokenizer_lib.byte_tokenizer(),
-                               config=config, step=0, workdir=tmp_path)
+                           config=config, step=0, workdir=tmp_path)
+  output = tmp_path / 'out'
+  output.mkdir()
   with pytest.raises(ExportError, match="cannot carry head family 'no_format'"):
-    hf.write(loaded, tmp_path, np.float32)
-  assert not list(tmp_path.iterdir())
+    hf.write(loaded, output, np.float32)
+  assert not list(output.iterdir())
+  # The export driver asks before loading the model: from the workdir's config alone.
+  checkpointing.save_config(tmp_path, config)
+  with pytest.raises(ExportError, match="cannot carry head family 'no_format'"):
+    hf.check_options(tmp_path, np.float32)
+  config.model.mtp_head_type = 'medusa'
+  checkpointing.save_config(tmp_path, config)
+  hf.check_options(tmp_path, np.float32)
 
 
 # ------------------------------------------------------------------------------------------
