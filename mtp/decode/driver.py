@@ -30,15 +30,17 @@ batch of prompts once, such as `mtp.generate`).
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+from typing import Callable, Iterator
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp.decode import decoders
 from mtp.decode import lookup as lookup_lib
 from mtp.decode import request as request_lib
+from mtp.decode import row_mapped
 from mtp.decode import sampling as sampling_lib
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
@@ -153,9 +155,13 @@ def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_in
 
 @functools.partial(jax.jit, static_argnames=('structure', 'request'))
 def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
-           pad_id: Array, request: DecodeRequest) -> LoopState:
-  """Prefills [B, P] right-padded prompts: each row's first token and first drafts."""
-  model = state_lib.merge(structure, leaves)
+           pad_id: Array, active: Array, request: DecodeRequest) -> LoopState:
+  """Prefills [B, P] right-padded prompts: each row's first token and first drafts.
+
+  active: [B] rows to prefill; the others (fillers) are marked done (row-mapped requests skip
+  their work).
+  """
+  model = _model(state_lib.merge(structure, leaves), request, active)
   tree = request.tree
   b, p = prompts.shape
   cache = state_lib.shard_cache(model.init_cache(b, request.capacity), request.mesh)
@@ -181,7 +187,8 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
       buffer, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
       jnp.ones((b,), jnp.int32), eos_id=eos_id, pad_id=pad_id,
       max_new_tokens=request.max_new_tokens)
-  return LoopState(tokens=buffer, num_generated=num_generated, done=done, last_token=first,
+  return LoopState(tokens=buffer, num_generated=num_generated, done=done | ~active,
+                   last_token=first,
                    drafts=_drafts(tree, head_logits, context, lengths), lengths=lengths,
                    num_steps=jnp.zeros((b,), jnp.int32),
                    histogram=jnp.zeros((b, request.depth + 2), jnp.int32), cache=cache,
@@ -231,9 +238,9 @@ def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Arr
 def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
          request: DecodeRequest) -> LoopState:
   """Runs draft-verify-accept steps until every row is done or `max_steps` steps were taken."""
-  model = state_lib.merge(structure, leaves)
+  base = state_lib.merge(structure, leaves)
   tree, depth = request.tree, request.depth
-  num_verified_layers = model.num_verified_cache_layers
+  num_verified_layers = base.num_verified_cache_layers
   columns = jnp.arange(depth + 1)[None, :]
 
   def cond(carry):
@@ -244,6 +251,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     i, s = carry
     # Greedy decoding draws nothing: skip the split (a small loop of its own on CPU).
     rng, key = (s.rng, s.rng) if request.greedy else tuple(jax.random.split(s.rng))
+    model = _model(base, request, ~s.done)
     drafts = s.drafts
     if request.draft_hook is not None:
       drafts = request.draft_hook(drafts, s.num_generated, hook_data).astype(jnp.int32)
@@ -287,6 +295,12 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
   return state
 
 
+def _model(model, request: DecodeRequest, active: Array):
+  """The model as the loop calls it: row by row for a row-mapped request (`row_mapped.py`),
+  the inactive rows skipped."""
+  return row_mapped.RowMapped(model, active) if request.row_mapped else model
+
+
 def result(state: LoopState, max_new_tokens: int) -> DecodeResult:
   """The loop state as a `DecodeResult`."""
   return DecodeResult(tokens=state.tokens[:, :max_new_tokens],
@@ -321,28 +335,44 @@ def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest,
 
 def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *,
                   steps_per_chunk: int, rng=None, eos_id: int | None = None, pad_id: int = 0,
-                  hook_data=None) -> Iterator[DecodeResult]:
+                  hook_data=None, active=None,
+                  stop: Callable[[], np.ndarray | None] | None = None
+                  ) -> Iterator[DecodeResult]:
   """Like `decode`, but yields the partial result (numpy) after the prefill and each chunk.
 
   The chunk size is not part of the compiled code; streaming costs one host round trip per
   chunk of `steps_per_chunk` loop steps, not per token.
+
+  active: [B] bool rows to decode (None: all); the others are fillers, done from the start.
+  stop: called before each chunk; the [B] bool rows it returns (or None) stop there, as if
+    finished (a server's cancelled requests). Row-mapped requests then skip their work.
   """
-  prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id)
+  prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id,
+                           active)
   # Host copies: the next `_run` donates (invalidates) the state's device buffers.
   yield jax.device_get(result(state, request.max_new_tokens))
-  while not bool(jnp.all(state.done)):
+  while True:
+    stopped = stop() if stop is not None else None
+    if stopped is not None and np.any(stopped):
+      state = state.replace(done=state.done | jnp.asarray(stopped, bool))
+    if bool(jnp.all(state.done)):
+      break
     state = _run(prepared.structure, prepared.leaves, state, jnp.int32(steps_per_chunk),
                  hook_data, request)
     yield jax.device_get(result(state, request.max_new_tokens))
 
 
-def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, pad_id):
+def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, pad_id,
+           active=None):
   prepared = state_lib.prepare(model)
-  prompts, prompt_lengths = state_lib.shard_rows(
-      (jnp.asarray(prompts), jnp.asarray(prompt_lengths)), request.mesh)
+  if active is None:
+    active = np.ones(np.shape(prompts)[0], bool)
+  prompts, prompt_lengths, active = state_lib.shard_rows(
+      (jnp.asarray(prompts), jnp.asarray(prompt_lengths), jnp.asarray(active, bool)),
+      request.mesh)
   state = _start(prepared.structure, prepared.leaves, prompts, prompt_lengths,
                  state_lib.as_key(rng), jnp.int32(-1 if eos_id is None else eos_id),
-                 jnp.int32(pad_id), request)
+                 jnp.int32(pad_id), active, request)
   return prepared, state
 
 

@@ -44,6 +44,9 @@ class DecodeRequest:
     vocab_limit: ids >= this are never emitted nor drafted (the model's output layer may be
       wider than its tokenizer); None: every id.
     banned_ids: ids never emitted nor drafted (the pad id).
+    row_mapped: run the model row by row (`row_mapped.py`): each row's tokens are bit-identical
+      to a batch of one's, whatever else is in the batch (a server's promise), at the cost of
+      rows not sharing matmuls.
   """
   max_new_tokens: int
   capacity: int
@@ -55,6 +58,7 @@ class DecodeRequest:
   mesh: jax.sharding.Mesh | None = None
   vocab_limit: int | None = None
   banned_ids: tuple[int, ...] = ()
+  row_mapped: bool = False
 
   @property
   def masks_vocab(self) -> bool:
@@ -80,7 +84,7 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  cache_capacity: int | None = None, draft_hook: DraftHook | None = None,
                  mesh: jax.sharding.Mesh | None = None, vocab_limit: int | None = None,
-                 banned_ids: Sequence[int] = ()) -> DecodeRequest:
+                 banned_ids: Sequence[int] = (), row_mapped: bool = False) -> DecodeRequest:
   """Checks a user's decode options and returns the request they describe.
 
   Args:
@@ -99,6 +103,7 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
     mesh: shard the rows and the KV cache over it.
     vocab_limit: never emit ids >= this (a tokenizer smaller than the output layer).
     banned_ids: never emit these ids (a pad id that is not also EOS).
+    row_mapped: batch-invariant decoding, row by row (`DecodeRequest.row_mapped`).
 
   Raises:
     ValueError naming the bad option.
@@ -132,7 +137,8 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
       capacity=_capacity(prompt_width, int(max_new_tokens), candidates.num_nodes,
                          cache_capacity),
       tree=candidates, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-      draft_hook=draft_hook, mesh=mesh, vocab_limit=vocab_limit, banned_ids=banned_ids)
+      draft_hook=draft_hook, mesh=mesh, vocab_limit=vocab_limit, banned_ids=banned_ids,
+      row_mapped=bool(row_mapped))
 
 
 def _check_vocab_mask(vocab_limit, banned_ids, vocab_size: int):

@@ -1,0 +1,68 @@
+"""Row-mapped decoding: each row bit-identical to a batch of one, fillers and stops skipped."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.decode import driver
+from mtp.decode import request as request_lib
+from mtp.decode import row_mapped
+from mtp.decode import state as state_lib
+from mtp.model import testing as model_testing
+
+PROMPTS = [[5, 9, 11, 3], [7, 7], [1, 2, 3, 4, 5, 6, 7], [12]]
+
+
+def _model():
+  return model_testing.tiny_model()
+
+
+def test_row_mapped_calls_equal_batch_of_one_bit_for_bit():
+  model = _model()
+  tokens, lengths = state_lib.pad_prompts(PROMPTS, multiple=8)
+
+  def logits(m, tokens, lengths, next_tokens):
+    b, w = tokens.shape
+    cache = m.init_cache(b, 24)
+    positions = jnp.broadcast_to(jnp.arange(w), (b, w))
+    out, cache = m.step(tokens, positions, cache, jnp.zeros((b,), jnp.int32))
+    positions = lengths[:, None] + jnp.arange(next_tokens.shape[1])[None]
+    out2, _ = m.step(next_tokens, positions, cache, lengths)
+    return m.logits(out.normed), m.logits(out2.normed)
+
+  batched = jax.jit(lambda *a: logits(row_mapped.RowMapped(model), *a))
+  alone = jax.jit(lambda *a: logits(model, *a))
+  following = jnp.full((len(PROMPTS), 4), 6, jnp.int32)
+  got = batched(tokens, lengths, following)
+  for row in range(len(PROMPTS)):
+    want = alone(tokens[row:row + 1], lengths[row:row + 1], following[row:row + 1])
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g[row]), np.asarray(w[0]))
+
+
+@pytest.mark.parametrize('decoder', ['speculative', 'autoregressive'])
+def test_row_mapped_decode_equals_batch_of_one_with_fillers_and_stops(decoder):
+  model = state_lib.prepare(_model())
+  tokens, lengths = state_lib.pad_prompts(PROMPTS, multiple=8)
+
+  def request(rows_mapped):
+    return request_lib.make_request(model.cfg, tokens.shape[1], max_new_tokens=6,
+                                    decoder=decoder, row_mapped=rows_mapped)
+  alone = [jax.device_get(driver.decode(model, tokens[r:r + 1], lengths[r:r + 1],
+                                        request(False))) for r in range(len(PROMPTS))]
+  active = np.array([True, True, False, True])  # Row 2 is a filler.
+  polls = []
+
+  def stop():  # Row 3 stops after its first chunk.
+    polls.append(1)
+    return np.array([False, False, False, len(polls) > 1])
+  *_, last = driver.decode_chunks(model, tokens, lengths, request(True), steps_per_chunk=1,
+                                  active=active, stop=stop)
+  for row in (0, 1):
+    np.testing.assert_array_equal(last.tokens[row], alone[row].tokens[0])
+    np.testing.assert_array_equal(last.accepted_histogram[row],
+                                  alone[row].accepted_histogram[0])
+  assert last.num_steps[2] == 0  # The filler never ran a step.
+  assert last.num_steps[3] == 1  # Stopped after one step.
+  np.testing.assert_array_equal(last.tokens[3, :2], alone[3].tokens[0, :2])
