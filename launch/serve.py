@@ -1,0 +1,73 @@
+r"""An OpenAI-compatible HTTP server with exact self-speculative decoding.
+
+  python -m launch.serve --workdir=workdirs/code_small [--port=8000] [--max_batch=8] \
+      [--max_wait_ms=10] [--decoder=speculative|autoregressive] [--model_name=mtp]
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus), GET / (a page). A greedy request returns exactly what
+`launch.generate` gives on the same workdir, whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from absl import app
+from absl import flags
+from absl import logging
+
+import launch
+from launch import cli
+from mtp.decode import decoders
+
+FLAGS = flags.FLAGS
+PROGRAM = 'launch.serve'
+flags.DEFINE_string('workdir', None, 'Trained workdir (or export directory) to serve.')
+flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on (0.0.0.0: every interface).')
+flags.DEFINE_integer('port', 8000, 'Port to listen on.')
+flags.DEFINE_integer('max_batch', 8, 'Rows decoded together at most.')
+flags.DEFINE_float('max_wait_ms', 10.0, 'How long a request waits for others to batch with.')
+flags.DEFINE_integer('max_queue', 256, 'Requests waiting for a batch at most; more get 503.')
+flags.DEFINE_string('model_name', 'mtp', 'The model id that /v1/models lists.')
+flags.DEFINE_enum('decoder', decoders.DEFAULT, list(decoders.NAMES),
+                  'Decoder of requests that name none (a request may set "decoder").')
+flags.DEFINE_integer('default_max_tokens', 16, 'max_tokens of requests that give none.')
+flags.DEFINE_bool('exact', True, 'Row-mapped batches: every greedy request gets exactly its '
+                  'batch-of-one tokens (launch.generate\'s). --noexact shares matmuls across '
+                  'rows: faster on big models, exact only up to float ties.')
+flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps between host round trips for '
+                     'non-streamed batches (streamed ones take one step per chunk).')
+flags.DEFINE_list('warmup_max_tokens', ['16'], 'Compile these max_tokens (short prompts, '
+                  'greedy, each decoder) in the background at start.')
+flags.mark_flag_as_required('workdir')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
+  launch.quiet_library_logs()
+  with cli.UserErrors(PROGRAM):
+    if FLAGS.max_batch < 1 or FLAGS.max_queue < 1 or FLAGS.max_wait_ms < 0:
+      raise ValueError('--max_batch and --max_queue must be >= 1, --max_wait_ms >= 0')
+    warmup_tokens = [int(v) for v in FLAGS.warmup_max_tokens]
+    import uvicorn  # After flag parsing: importing JAX is slow.
+    import mtp
+    from mtp.serving import server
+    loaded = mtp.load(FLAGS.workdir)
+    names = [d for d in decoders.NAMES
+             if loaded.model.cfg.mtp_num_heads or not decoders.get(d).drafts]
+    application, batcher = server.build(
+        loaded, max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms,
+        max_queue=FLAGS.max_queue, exact=FLAGS.exact, steps_per_chunk=FLAGS.steps_per_chunk,
+        model_name=FLAGS.model_name, default_max_tokens=FLAGS.default_max_tokens,
+        decoder=FLAGS.decoder, warmup=[(d, n) for d in names for n in warmup_tokens])
+    sock = server.free_socket(FLAGS.host, FLAGS.port)
+  logging.info('serving %s on http://%s:%d', FLAGS.workdir, FLAGS.host, FLAGS.port)
+  print(f'{PROGRAM}: serving {FLAGS.workdir} as {FLAGS.model_name!r} on '
+        f'http://{FLAGS.host}:{sock.getsockname()[1]}', flush=True)
+  try:
+    uvicorn.Server(uvicorn.Config(application, log_level='warning')).run(sockets=[sock])
+  finally:
+    batcher.close()
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=cli.flags_parser(PROGRAM))
