@@ -20,5 +20,7 @@ class _QuietLibraries(_std_logging.Filter):
 
 
 def quiet_library_logs() -> None:
+  """Filters the absl handler (entry points) and the `absl` logger (notebooks, plain Python)."""
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  _std_logging.getLogger('absl').addFilter(_QuietLibraries())
 
