@@ -176,11 +176,27 @@ class Tokenizer:
   def bos_id(self) -> int:
     return self._special_ids.bos_id
 
-  def encode(self, text: str) -> list[int]:
-    """Ids of `text`, without bos/eos."""
+  def encode(self, text: str, *, special: bool = False) -> list[int]:
+    """Ids of `text`, without bos/eos added.
+
+    Args:
+      text: any text.
+      special: False (data, prompts): special-token strings in the text are ordinary text.
+        True (a rendered chat template, whose markers such as `<|im_start|>` are meant as the
+        model's special tokens): they become their ids.
+    """
+    if special:
+      return self._special_parser.encode(text, add_special_tokens=False).ids
     if self._kind == 'byte':  # Same ids as the HF model, ~100x faster.
       return _encode_bytes(text).tolist()
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  @functools.cached_property
+  def _special_parser(self) -> tokenizers.Tokenizer:
+    # A second instance: flipping the shared one's flag would race with other threads' encodes.
+    parser = tokenizers.Tokenizer.from_str(self._tok.to_str())
+    parser.encode_special_tokens = False
+    return parser
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """Ids of each text (Rust threads do the work in parallel)."""

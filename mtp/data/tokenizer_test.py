@@ -163,3 +163,14 @@ def test_a_chat_template_is_saved_beside_the_tokenizer(tmp_path, bpe):
   bpe.save(tmp_path)  # Saving a tokenizer without one removes a stale template.
   assert not (tmp_path / 'chat_template.jinja').exists()
   assert tokenizer_lib.Tokenizer.load(tmp_path).chat_template is None
+
+
+def test_special_token_strings_are_text_unless_asked(bpe):
+  text = 'a<eos>b'
+  plain = bpe.encode(text)
+  assert bpe.eos_id not in plain and bpe.decode(plain) == text
+  parsed = bpe.encode(text, special=True)
+  assert parsed == bpe.encode('a') + [bpe.eos_id] + bpe.encode('b')
+  assert bpe.encode(text) == plain  # The shared tokenizer is untouched.
+  byte = tokenizer_lib.byte_tokenizer()
+  assert byte.encode('<bos>x', special=True) == [byte.bos_id] + byte.encode('x')
