@@ -32,6 +32,7 @@ from mtp.model.heads import medusa
 from mtp.pretrained import safetensors_file
 from mtp.pretrained import testing as pretrained_testing
 from mtp.pretrained import workdir as workdir_lib
+from mtp.pretrained.llama import PretrainedError
 from mtp.train import testing
 
 STDLIB = pathlib.Path(sysconfig.get_paths()['stdlib'])
@@ -142,10 +143,12 @@ def test_directory_contents(exports):
 
 @pytest.mark.parametrize('family', list(CASES))
 def test_import_weights_reads_the_export_back(exports, family, tmp_path):
+  """Trunk and heads, bit for bit; the heads found by their family's `hf_import`."""
   loaded, directory, _ = exports[family]
   back = mtp.load(workdir_lib.import_weights(directory, tmp_path / 'w'))
-  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(loaded.model.trunk)),
-               nnx.to_pure_dict(nnx.state(back.model.trunk)))
+  assert back.model.cfg == loaded.model.cfg  # Head family, K and options included.
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(loaded.model)),
+               nnx.to_pure_dict(nnx.state(back.model)))
   assert back.tokenizer.special_ids == loaded.tokenizer.special_ids
   assert back.tokenizer.chat_template == loaded.tokenizer.chat_template
   assert back.tokenizer.to_json() == loaded.tokenizer.to_json()
@@ -165,6 +168,23 @@ def test_bfloat16_export_reads_back_rounded(exports, tmp_path):
   want = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32),
                       nnx.to_pure_dict(nnx.state(loaded.model.trunk)))
   jax.tree.map(np.testing.assert_array_equal, want, nnx.to_pure_dict(nnx.state(back.model.trunk)))
+
+
+def test_heads_with_their_own_output_layer_are_refused_on_import(exports, tmp_path):
+  """mtp heads share the trunk's output layer: Medusa heads trained with their own lm_heads
+  (FasterDecoding's Medusa-1) cannot be imported, and the message says why."""
+  import shutil
+  from safetensors import numpy as safetensors_numpy
+  directory = tmp_path / 'hf'
+  shutil.copytree(exports['medusa'][1], directory)
+  path = directory / 'medusa' / hf.WEIGHTS
+  tensors = safetensors_numpy.load_file(path)
+  tensors['lm_heads.1.weight'] = tensors['lm_heads.1.weight'] + 1
+  safetensors_numpy.save_file(tensors, path)
+  with pytest.raises(PretrainedError, match="its medusa heads cannot be imported: medusa/: "
+                     "lm_heads.1.weight differs from the base model's output layer"):
+    workdir_lib.import_weights(directory, tmp_path / 'w')
+  assert not (tmp_path / 'w').exists()
 
 
 @pytest.mark.parametrize('dtype', ['int8', np.float64, 'float8_e4m3fn'])

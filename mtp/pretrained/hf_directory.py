@@ -8,9 +8,10 @@ attention, which is the same network), `model.safetensors` or shards listed in
 `chat_template.jinja`, else from `tokenizer_config.json` (`chat_template`, a string or a list of
 named templates, of which 'default' is taken).
 
-DeepSeek-V3-style multi-token-prediction layers (`num_nextn_predict_layers` in config.json, stored
-as `model.layers.{L+k}.*` after the trunk's L layers, as `mtp.export.hf` writes them) are not part
-of the trunk and are left out.
+Multi-token heads in the formats `mtp.export.hf` writes (DeepSeek-V3-style MTP layers
+`model.layers.{L+k}.*` after the trunk's L with `num_nextn_predict_layers` in config.json, or a
+subdirectory such as `medusa/`) are found by asking every registered head family
+(`HeadFamily.hf_import`); they are not part of the trunk's tensors.
 """
 
 from __future__ import annotations
@@ -186,14 +187,13 @@ def read(directory: str | pathlib.Path) -> llama.Checkpoint:
   shape = read_shape(config, directory / CONFIG)
   tokenizer = read_tokenizer(directory, config)
   files = weight_files(directory)
-  tensors = {}
-  for file, names in files.items():
-    if config.get('num_nextn_predict_layers'):  # MTP layers after the trunk's: not read.
-      names = [name for name in (names or safetensors_file.read_header(file)[0])
-               if (llama.layer_index(name) or 0) < shape.num_layers]
-    tensors.update(safetensors_file.read(file, set(names) if names is not None else None))
+  tensors = read_tensors(files)
   if shape.tie_embeddings:
     tensors.pop(llama.LM_HEAD, None)  # Some tied checkpoints store a copy; the trunk ties.
+  extra = {}  # MTP layers after the trunk's: heads, not trunk.
+  if config.get('num_nextn_predict_layers'):
+    extra = {name: tensors.pop(name) for name in list(tensors)
+             if (llama.layer_index(name) or 0) >= shape.num_layers}
   checkpoint = llama.Checkpoint(
       shape=shape, tensors=tensors, tokenizer=tokenizer,
       source={'format': 'hf', 'path': str(directory.absolute()),
@@ -201,4 +201,56 @@ def read(directory: str | pathlib.Path) -> llama.Checkpoint:
               'files': [str(directory / CONFIG), str(directory / TOKENIZER)]
                        + sorted(str(f) for f in files)})
   llama.check(checkpoint, str(directory))
+  checkpoint.heads = read_heads(directory, config, checkpoint, extra)
   return checkpoint
+
+
+def read_tensors(files: dict[pathlib.Path, list[str] | None]) -> dict[str, Any]:
+  """`weight_files`' tensors as float32 arrays."""
+  tensors = {}
+  for file, names in files.items():
+    tensors.update(safetensors_file.read(file, set(names) if names is not None else None))
+  return tensors
+
+
+def read_heads(directory: pathlib.Path, config: dict[str, Any], checkpoint: llama.Checkpoint,
+               extra: dict[str, Any]):
+  """(family name, `heads.HFImport`) of the multi-token heads the directory holds, or None.
+
+  Every registered family is asked; a directory with heads of two families is refused.
+  """
+  from mtp.model import heads as heads_lib  # pylint: disable=import-outside-toplevel
+  from mtp.model import transformer  # pylint: disable=import-outside-toplevel
+
+  def subdirectory(name: str):
+    sub = directory / name
+    if not sub.is_dir():
+      return None
+    return heads_lib.HFSubdirectory(_read_json(sub / CONFIG), read_tensors(weight_files(sub)))
+
+  def block_params(tensors, i: int):
+    missing = [name for name in llama.layer_names(i).values() if name not in tensors]
+    if missing:
+      raise ValueError(f'missing tensor {missing[0]}.')
+    return llama.block_params(tensors, i)
+
+  embedding = checkpoint.tensors[llama.EMBED]
+  source = heads_lib.HFImportSource(
+      config=config,
+      trunk_cfg=transformer.TransformerConfig.from_config(checkpoint.shape.model_config()),
+      embedding=embedding, unembedding=checkpoint.tensors.get(llama.LM_HEAD, embedding),
+      tensors=extra, subdirectory=subdirectory, block_params=block_params)
+  found = []
+  for name, family in heads_lib.FAMILIES.items():
+    try:
+      heads = family.hf_import(source)
+    except PretrainedError:
+      raise
+    except ValueError as e:
+      raise PretrainedError(f'{directory}: its {name} heads cannot be imported: {e}') from e
+    if heads is not None:
+      found.append((name, heads))
+  if len(found) > 1:
+    raise PretrainedError(f'{directory} holds heads of {" and ".join(n for n, _ in found)}; an '
+                          'mtp model has heads of one family.')
+  return found[0] if found else None

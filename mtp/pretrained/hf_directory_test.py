@@ -137,17 +137,20 @@ def test_chat_template(tmp_path, where):
   assert got == (None if where == 'none' else template)
 
 
-def test_multi_token_prediction_layers_are_left_out(tmp_path):
-  """DeepSeek-V3-style MTP layers after the trunk's (`num_nextn_predict_layers`) are not read."""
+def test_multi_token_prediction_layers_are_heads_not_trunk(tmp_path):
+  """DeepSeek-V3-style MTP layers after the trunk's (`num_nextn_predict_layers`) are the
+  sequential family's to read (mtp/export/hf_test.py reads whole ones back); a partial one is
+  named."""
   tensors = testing.random_tensors()
   extra = {f'model.layers.{testing.SHAPE.num_layers}.{name}': np.ones(4, np.float32)
            for name in ('enorm.weight', 'self_attn.q_proj.weight')}
-  testing.write_hf_directory(tmp_path / 'a', {**tensors, **extra},
+  testing.write_hf_directory(tmp_path / 'a', {**tensors, **extra}, num_shards=2,
                              config={'num_nextn_predict_layers': 1})
-  assert set(hf_directory.read(tmp_path / 'a').tensors) == set(tensors)
-  testing.write_hf_directory(tmp_path / 'b', {**tensors, **extra}, num_shards=2,
-                             config={'num_nextn_predict_layers': 1})
-  assert set(hf_directory.read(tmp_path / 'b').tensors) == set(tensors)
-  testing.write_hf_directory(tmp_path / 'c', {**tensors, **extra})
+  with pytest.raises(PretrainedError, match='its sequential heads cannot be imported: missing '
+                     'tensor model.layers.2.eh_proj.weight'):
+    hf_directory.read(tmp_path / 'a')
+  testing.write_hf_directory(tmp_path / 'b', {**tensors, **extra})
   with pytest.raises(PretrainedError, match='unexpected tensor model.layers.2'):
-    hf_directory.read(tmp_path / 'c')
+    hf_directory.read(tmp_path / 'b')
+  testing.write_hf_directory(tmp_path / 'c', tensors)
+  assert hf_directory.read(tmp_path / 'c').heads is None

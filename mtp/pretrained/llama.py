@@ -65,12 +65,14 @@ class Checkpoint:
     tokenizer: the model's tokenizer with its special ids.
     source: provenance for the workdir's config (path, format, file digests, model name).
     file_names: Hugging Face name -> the name in the source file, where they differ (messages).
+    heads: multi-token heads found beside the trunk, as (family name, `heads.HFImport`), or None.
   """
   shape: LlamaShape
   tensors: dict[str, np.ndarray]
   tokenizer: tokenizer_lib.Tokenizer
   source: dict[str, Any]
   file_names: dict[str, str] = dataclasses.field(default_factory=dict)
+  heads: Any = None
 
   def file_name(self, name: str) -> str:
     return self.file_names.get(name, name)
@@ -156,21 +158,25 @@ def to_params(checkpoint: Checkpoint) -> dict[str, Any]:
   Call `check` first.
   """
   t = checkpoint.tensors
-  blocks = {}
-  for i in range(checkpoint.shape.num_layers):
-    n = layer_names(i)
-    blocks[i] = {
-        'attn_norm': {'scale': t[n['attn_norm']]},
-        'attn': {name: {'kernel': t[n[name]].T} for name in ('q_proj', 'k_proj', 'v_proj',
-                                                              'o_proj')},
-        'mlp_norm': {'scale': t[n['mlp_norm']]},
-        'mlp': {name: {'kernel': t[n[name]].T} for name in ('gate', 'up', 'down')},
-    }
+  blocks = {i: block_params(t, i) for i in range(checkpoint.shape.num_layers)}
   trunk = {'embedding': {'embedding': t[EMBED]}, 'blocks': blocks,
            'final_norm': {'scale': t[FINAL_NORM]}}
   if not checkpoint.shape.tie_embeddings:
     trunk['output'] = t[LM_HEAD].T
   return {'trunk': trunk}
+
+
+def block_params(tensors: Mapping[str, np.ndarray], i: int) -> dict[str, Any]:
+  """The pure-dict parameters of a trunk block (kernels [in, out]) from Llama layer i's Hugging
+  Face tensors in `tensors`."""
+  n = layer_names(i)
+  return {
+      'attn_norm': {'scale': tensors[n['attn_norm']]},
+      'attn': {name: {'kernel': tensors[n[name]].T} for name in ('q_proj', 'k_proj', 'v_proj',
+                                                                  'o_proj')},
+      'mlp_norm': {'scale': tensors[n['mlp_norm']]},
+      'mlp': {name: {'kernel': tensors[n[name]].T} for name in ('gate', 'up', 'down')},
+  }
 
 
 def block_tensors(block: Mapping[str, Any], i: int) -> dict[str, np.ndarray]:

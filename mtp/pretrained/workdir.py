@@ -1,8 +1,8 @@
 """Pretrained Llama weights -> an mtp workdir that `mtp.load`, `launch.generate` and training with
 `init_from` accept.
 
-The workdir holds `config.json` (configs/base.py with `model.*` from the weights, no heads, and a
-`pretrained` record of the source: path, format, name, and each file's size and sha256),
+The workdir holds `config.json` (configs/base.py with `model.*` from the weights, heads only where
+a Hugging Face directory carries them in a format of `mtp.export.hf`, and a `pretrained` record of the source: path, format, name, and each file's size and sha256),
 `tokenizer.json` with `special_tokens.json`, and an Orbax checkpoint at step 0 holding the
 parameters only. Everything is read and checked before anything is written; the workdir is
 then built in a temporary sibling directory and renamed into place, so a failed import leaves
@@ -74,10 +74,17 @@ def file_digest(path: pathlib.Path) -> dict[str, Any]:
 
 
 def make_config(checkpoint: llama.Checkpoint) -> ml_collections.ConfigDict:
-  """configs/base.py with the trunk's shape, no heads, and the `pretrained` record."""
+  """configs/base.py with the trunk's shape, the heads found beside it (if any), and the
+  `pretrained` record."""
   config = base.get_config()
   for key, value in checkpoint.shape.model_config().items():
     config.model[key] = value
+  if checkpoint.heads is not None:
+    family, heads = checkpoint.heads
+    config.model.mtp_head_type = family
+    config.model.mtp_num_heads = heads.num_heads
+    for key, value in heads.options.items():
+      config.model[key] = value
   source = checkpoint.source
   config.pretrained = {
       'format': source['format'], 'path': source['path'], 'name': source.get('name', ''),
@@ -92,12 +99,19 @@ def make_params(checkpoint: llama.Checkpoint, config: ml_collections.ConfigDict)
   abstract = nnx.eval_shape(lambda: mtp_model.MTPModel(model_config, rngs=nnx.Rngs(0)))
   _, state = nnx.split(abstract)
   values = llama.to_params(checkpoint)
+  if checkpoint.heads is not None:
+    values['heads'] = checkpoint.heads[1].params
   expected = nnx.to_pure_dict(state)
-  want = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), expected)
-  got = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(np.float32)), values)
-  if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
-    raise PretrainedError('the imported weights do not fit the trunk built from their own '
-                          'hyper-parameters (a bug: please report it).')
+  want = dict(jax.tree_util.tree_flatten_with_path(
+      jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), expected))[0])
+  got = dict(jax.tree_util.tree_flatten_with_path(
+      jax.tree.map(lambda x: (tuple(x.shape), np.dtype(np.float32)), values))[0])
+  if want != got:
+    path = next(p for p in [*want, *got] if want.get(p) != got.get(p))
+    raise PretrainedError(
+        f'the imported weights do not fit the model built from their own hyper-parameters: '
+        f'parameter {jax.tree_util.keystr(path)} is {got.get(path, "missing")}, the model '
+        f'expects {want.get(path, "none")}.')
   device = jax.devices()[0]
   nnx.replace_by_pure_dict(state, jax.tree.map(
       lambda x: jax.device_put(np.ascontiguousarray(x, np.float32), device), values))

@@ -15,7 +15,8 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
   * its drafting step (`draft`): from the features along a run of accepted tokens, the draft
     logits [depth, B, V] at the run's last accepted token;
   * its serving format (`hf_export`, optional): what `mtp.export.hf` writes for it beside the
-    Hugging Face Llama directory of the trunk (`HFExport`); None if it has none.
+    Hugging Face Llama directory of the trunk (`HFExport`); None if it has none. Its inverse,
+    `hf_import`, finds the family's heads in such a directory for `import_weights`.
 
 How to add a head family: write `mtp/model/heads/<name>.py` with one `HeadFamily` subclass that
 implements the methods above (see `medusa.py` for the smallest, `sequential.py` for one that
@@ -82,6 +83,58 @@ class HFExport:
   tensors: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   config: dict[str, Any] = dataclasses.field(default_factory=dict)
   subdirectories: dict[str, HFSubdirectory] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFImportSource:
+  """A Hugging Face Llama directory as a family's `hf_import` reads it (`HFExport`'s inverse).
+
+  Attributes:
+    config: its config.json.
+    trunk_cfg: the trunk's shape, read from it.
+    embedding, unembedding: [V, D] float32, as in `HFExportContext`.
+    tensors: its tensors outside the trunk (such as MTP layers L..), float32.
+    subdirectory: a relative name -> that directory's config and float32 tensors, or None when
+      it does not exist.
+    block_params: (tensors, i) -> Llama layer i's Hugging Face tensors as a `transformer.Block`'s
+      pure-dict parameters (ValueError naming a missing tensor).
+  """
+  config: Mapping[str, Any]
+  trunk_cfg: transformer.TransformerConfig
+  embedding: np.ndarray
+  unembedding: np.ndarray
+  tensors: Mapping[str, np.ndarray]
+  subdirectory: Callable[[str], HFSubdirectory | None]
+  block_params: Callable[[Mapping[str, np.ndarray], int], dict[str, Any]]
+
+
+@dataclasses.dataclass
+class HFImport:
+  """A family's heads found in a Hugging Face directory.
+
+  Attributes:
+    num_heads: K (`model.mtp_num_heads`).
+    options: the family's `config.model` options (keys of its `OPTIONS`).
+    params: `nnx.to_pure_dict` of the family's module, float32.
+  """
+  num_heads: int
+  options: dict[str, Any]
+  params: dict[str, Any]
+
+
+def take(tensors: Mapping[str, np.ndarray], name: str, where: str = '') -> np.ndarray:
+  """tensors[name], or ValueError naming the missing tensor."""
+  if name not in tensors:
+    raise ValueError(f'{where}missing tensor {name}.')
+  return tensors[name]
+
+
+def check_shared(tensors: Mapping[str, np.ndarray], name: str, shared: np.ndarray,
+                 what: str, where: str = '') -> None:
+  """A copy of a shared matrix, where present, must be that matrix: mtp's heads share it."""
+  if name in tensors and not np.array_equal(tensors[name], shared):
+    raise ValueError(f'{where}{name} differs from the base model\'s {what}; mtp heads share '
+                     f'the {what}, so heads with their own cannot be imported.')
 
 
 def as_numpy(param) -> np.ndarray:
@@ -183,6 +236,13 @@ class HeadFamily(nnx.Module):
       then names the family and refuses).
     """
     del context
+    return None
+
+  @classmethod
+  def hf_import(cls, source: HFImportSource) -> HFImport | None:
+    """The family's heads in a Hugging Face directory (`hf_export`'s format), or None when it
+    holds none. Raises ValueError naming a file or tensor that does not fit."""
+    del source
     return None
 
 

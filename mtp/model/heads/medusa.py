@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mtp.model import heads
@@ -93,6 +94,41 @@ class MedusaHeads(heads.HeadFamily):
               'medusa_fc_bias': True, 'original_lm_head': True}
     return heads.HFExport(format='vllm-medusa',
                           subdirectories={'medusa': heads.HFSubdirectory(config, tensors)})
+
+  @classmethod
+  def hf_import(cls, source: heads.HFImportSource) -> heads.HFImport | None:
+    """`medusa/` in vLLM's Medusa format. Counts are read as vLLM's config loader reads them
+    (a key holding "num" and "heads" or "layers", so `medusa_num_heads` works too); a missing
+    bias is zero (`medusa_fc_bias` false)."""
+    sub = source.subdirectory('medusa')
+    if sub is None:
+      return None
+    where = 'medusa/: '
+    counts = {}
+    for key, value in sub.config.items():
+      if 'num' in key and ('heads' in key or 'layers' in key):
+        counts['heads' if 'heads' in key else 'layers'] = int(value)
+    if sub.config.get('model_type') != 'medusa' or set(counts) != {'heads', 'layers'}:
+      raise ValueError(f'{where}config.json is not a Medusa config (model_type "medusa", '
+                       'num_heads, num_hidden_layers).')
+    d = source.trunk_cfg.embed_dim
+    layers = {}
+    for i in range(counts['heads']):
+      blocks = {}
+      for j in range(counts['layers']):
+        name = f'blocks.{i}.layers.{j}.'
+        weight = heads.take(sub.tensors, name + 'weight', where)
+        if weight.shape != (d, d):
+          raise ValueError(f'{where}{name}weight has shape {list(weight.shape)}, expected '
+                           f'[{d}, {d}] for the base model.')
+        bias = sub.tensors.get(name + 'bias', np.zeros(d, np.float32))
+        blocks[j] = {'linear': {'kernel': weight.T, 'bias': bias}}
+      heads.check_shared(sub.tensors, f'lm_heads.{i}.weight', source.unembedding,
+                         'output layer', where)
+      layers[i] = {'blocks': blocks}
+    return heads.HFImport(num_heads=counts['heads'],
+                          options={'medusa_num_layers': counts['layers']},
+                          params={'layers': layers})
 
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
     # The cheap ResBlocks run on the one gathered position, not on the whole run.

@@ -103,6 +103,20 @@ class ParallelHeads(heads.HeadFamily):
         format='mtp-parallel-heads',
         subdirectories={'parallel_heads': heads.HFSubdirectory(config, tensors)})
 
+  @classmethod
+  def hf_import(cls, source: heads.HFImportSource) -> heads.HFImport | None:
+    """`parallel_heads/` in the layout of the module docstring."""
+    sub = source.subdirectory('parallel_heads')
+    if sub is None:
+      return None
+    if sub.config.get('model_type') != 'mtp_parallel_heads' or 'num_heads' not in sub.config:
+      raise ValueError('parallel_heads/config.json is not an mtp_parallel_heads config.')
+    layers = {k: {'block': source.block_params(sub.tensors, k),
+                  'norm': {'scale': heads.take(sub.tensors, f'model.layers.{k}.norm.weight',
+                                               'parallel_heads/: ')}}
+              for k in range(int(sub.config['num_heads']))}
+    return heads.HFImport(num_heads=len(layers), options={}, params={'layers': layers})
+
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
     at_last = kv_cache_lib.gather_rows(features, last_index)  # [B, K, D]
     outputs = jnp.moveaxis(at_last, 1, 0)[:depth]  # [depth, B, D]

@@ -129,6 +129,34 @@ class SequentialHeads(heads.HeadFamily):
     return heads.HFExport(format='deepseek-v3-mtp', tensors=tensors,
                           config={'num_nextn_predict_layers': len(self.layers)})
 
+  @classmethod
+  def hf_import(cls, source: heads.HFImportSource) -> heads.HFImport | None:
+    """MTP layers L.. (`num_nextn_predict_layers`), `hf_export`'s inverse: eh_proj's halves are
+    swapped back; shared_head.head and embed_tokens, where present, must be the base model's."""
+    count = int(source.config.get('num_nextn_predict_layers') or 0)
+    if not count:
+      return None
+    cfg, t = source.trunk_cfg, source.tensors
+    d = cfg.embed_dim
+    layers = {}
+    for k in range(count):
+      prefix = f'model.layers.{cfg.num_layers + k}.'
+      weight = heads.take(t, prefix + 'eh_proj.weight')  # [D, 2D]: [embedding | hidden]
+      if weight.shape != (d, 2 * d):
+        raise ValueError(f'{prefix}eh_proj.weight has shape {list(weight.shape)}, expected '
+                         f'[{d}, {2 * d}].')
+      heads.check_shared(t, prefix + 'shared_head.head.weight', source.unembedding,
+                         'output layer')
+      heads.check_shared(t, prefix + 'embed_tokens.weight', source.embedding, 'embedding')
+      layers[k] = {
+          'hidden_norm': {'scale': heads.take(t, prefix + 'hnorm.weight')},
+          'embed_norm': {'scale': heads.take(t, prefix + 'enorm.weight')},
+          'proj': {'kernel': np.concatenate([weight[:, d:], weight[:, :d]], axis=1).T},
+          'block': source.block_params(t, cfg.num_layers + k),
+          'out_norm': {'scale': heads.take(t, prefix + 'shared_head.norm.weight')},
+      }
+    return heads.HFImport(num_heads=count, options={}, params={'layers': layers})
+
   def module_step(self, trunk, index: int, hidden_prev: Array, next_tokens: Array,
                   positions: Array, cache: kv_cache_lib.KVCache, lengths: Array,
                   first_layer: int):
