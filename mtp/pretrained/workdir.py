@@ -5,9 +5,9 @@ The workdir holds `config.json` (configs/base.py with `model.*` from the weights
 a Hugging Face directory carries them in a format of `mtp.export.hf`, and a `pretrained` record
 of the source: path, format, name, and each file's size and sha256), `tokenizer.json` with
 `special_tokens.json` (and `chat_template.jinja` when the model has a chat template), and an
-Orbax checkpoint at step 0 holding the parameters only. Everything is read and checked before anything is written; the workdir is
-then built in a temporary sibling directory and renamed into place, so a failed import leaves
-nothing behind and an existing workdir is never touched.
+Orbax checkpoint at step 0 holding the parameters only. Everything is read and checked before
+anything is written; the workdir is then built in a temporary sibling directory and renamed into
+place, so a failed import leaves nothing behind and an existing workdir is never touched.
 """
 
 from __future__ import annotations
