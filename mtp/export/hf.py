@@ -26,6 +26,11 @@ Heads go through their family's `hf_export` hook (`mtp.model.heads.HFExport`): M
 `medusa/` in vLLM's Medusa format, sequential (DeepSeek-V3) modules as MTP layers L.. of the Llama
 directory, parallel heads to `parallel_heads/`; see each family's module. A family without a
 format, or a dtype the format cannot hold, raises `ExportError` before anything is written.
+`import_weights` reads the whole export back, heads included (`HeadFamily.hf_import`).
+
+Consumers: transformers loads the Llama directory (extra MTP layers are ignored with a warning);
+vLLM serves it with Medusa heads as its speculative model (`medusa/`); vLLM's Llama loader
+refuses unknown tensor names, so it cannot serve a directory that holds sequential MTP layers.
 """
 
 from __future__ import annotations

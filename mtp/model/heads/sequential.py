@@ -15,6 +15,9 @@ both touch only the drafts (verification keeps the output exact):
     reads h_0 before it. `hnorm` rescales either, so they agree exactly only when the final
     norm's scale is uniform across features.
   * vLLM zeroes the token embedding at position 0; these modules do not.
+vLLM has no model class that runs DeepSeek MTP layers around Llama blocks, and its Llama loader
+looks up every tensor name it reads, so it refuses a directory holding these layers (transformers
+ignores them with a warning, and `import_weights` reads them back as heads).
 """
 
 from __future__ import annotations
