@@ -95,9 +95,10 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
                                   decoders=decoders, default_decoder=default_decoder)
       if chat:
         text = chat_lib.render(tokenizer, schemas.messages(body))
+        ids = chat_lib.encode(tokenizer, text)
       else:
         text = schemas.prompt(body)
-      ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text)
       batcher.check(ids, sampling)
     except schemas.RequestError as e:
       return error(e.status, e.message, e.kind, endpoint, e.param, e.code)
