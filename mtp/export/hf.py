@@ -69,15 +69,21 @@ def check_dtype(dtype: Any) -> np.dtype:
 
 
 def cast(tensors: dict[str, np.ndarray], dtype: np.dtype) -> dict[str, np.ndarray]:
-  """Contiguous copies in `dtype`; ExportError naming a tensor whose values do not fit."""
-  out = {}
+  """Contiguous copies in `dtype`; ExportError naming a tensor whose values do not fit.
+
+  Entries holding the same array (the shared output layer, once per head) share one copy.
+  """
+  out, done = {}, {}
   for name, values in tensors.items():
-    with np.errstate(over='ignore'):  # Overflow is checked for below, and named.
-      converted = np.ascontiguousarray(values, dtype)
-    if not np.all(np.isfinite(converted)) and np.all(np.isfinite(values)):
-      raise ExportError(f'tensor {name} does not fit in {dtype.name}: its largest magnitude is '
-                        f'{float(np.max(np.abs(values))):.3g}; export as float32 or bfloat16.')
-    out[name] = converted
+    if id(values) not in done:
+      with np.errstate(over='ignore'):  # Overflow is checked for below, and named.
+        converted = np.ascontiguousarray(values, dtype)
+      if not np.all(np.isfinite(converted)) and np.all(np.isfinite(values)):
+        raise ExportError(f'tensor {name} does not fit in {dtype.name}: its largest magnitude '
+                          f'is {float(np.max(np.abs(values))):.3g}; export as float32 or '
+                          'bfloat16.')
+      done[id(values)] = converted
+    out[name] = done[id(values)]
   return out
 
 
