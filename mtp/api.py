@@ -1,4 +1,9 @@
-"""The Python entry points: `mtp.load(workdir)` and `mtp.generate(...)`."""
+"""The Python entry points: `mtp.load(workdir)` and `mtp.generate(...)`.
+
+Both take a training workdir or an export directory (`launch.export`): a params export loads
+like a workdir; a jax_export directory loads as `export.runtime.LoadedArtifact`, and
+`generate` then calls its serialized programs, running no model code.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +25,12 @@ from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import decoders
 from mtp.decode import driver
 from mtp.decode import request as request_lib
+from mtp.decode import sampling as sampling_lib
 from mtp.decode import state as state_lib
 from mtp.decode import streaming
 from mtp.decode import trees as trees_lib
+from mtp.export import manifest as manifest_lib
+from mtp.export import runtime
 from mtp.model import mtp_model
 
 
@@ -37,15 +45,29 @@ class LoadedModel:
 
 
 def load(workdir: str | os.PathLike, step: int | None = None,
-         device: jax.Device | None = None) -> LoadedModel:
+         device: jax.Device | None = None) -> LoadedModel | runtime.LoadedArtifact:
   """Loads the parameters of the latest (or the given) checkpoint of a training workdir.
+
+  `workdir` may also be an export directory (`launch.export`): a params export loads as a
+  workdir; a jax_export one as a `runtime.LoadedArtifact` (its programs, no model).
 
   Raises:
     checkpointing.CheckpointError: the workdir, its config, tokenizer or checkpoint is missing
       or unreadable (the message names which).
-    ValueError: the tokenizer file is corrupt (the message names it).
+    ValueError: the tokenizer file is corrupt, or the directory is an export that `mtp` does
+      not run (the message names it).
   """
   workdir = pathlib.Path(workdir)
+  exported = manifest_lib.read(workdir)
+  if exported is not None and exported['format'] == runtime.FORMAT:
+    artifact = runtime.load(workdir, device=device)
+    if step is not None and step != artifact.step:
+      raise checkpointing.CheckpointError(
+          f'{workdir} is a jax_export of step {artifact.step}, not of step {step}.')
+    return artifact
+  if exported is not None and exported['format'] != 'params':
+    raise ValueError(f'{workdir} is a {exported["format"]} export, which mtp does not run: '
+                     'load the training workdir, or a params or jax_export export')
   config = checkpointing.load_config(workdir)
   if not (workdir / tokenizer_lib.FILENAME).exists():
     raise checkpointing.CheckpointError(f'{workdir / tokenizer_lib.FILENAME} does not exist.')
@@ -124,7 +146,7 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   so the timed runs, and `tokens_per_sec`, exclude compilation.
 
   Args:
-    loaded_or_workdir: `mtp.load(...)`'s result, or a workdir to load.
+    loaded_or_workdir: `mtp.load(...)`'s result, or a workdir or export directory to load.
     prompts: one prompt or a list.
     max_new_tokens: tokens to generate per prompt at most (EOS stops earlier).
     decoder: a name in `decoders.NAMES`: 'speculative' (the model's heads draft, its trunk
@@ -156,12 +178,16 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     ValueError: bad input, named, before anything is compiled.
   """
   loaded = loaded_or_workdir
-  if not isinstance(loaded, LoadedModel):
+  if not isinstance(loaded, (LoadedModel, runtime.LoadedArtifact)):
     loaded = load(loaded_or_workdir)
   texts = _checked_texts(prompts)
   spec = decoders.get(decoder)
   batch_size = _checked_batch_size(batch_size, len(texts))
   steps_per_chunk = request_lib.steps_per_chunk(steps_per_chunk, decoder)
+  if isinstance(loaded, runtime.LoadedArtifact):
+    return _generate_exported(loaded, texts, max_new_tokens=max_new_tokens, decoder=decoder,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              tree=tree, lookup=lookup, batch_size=batch_size, on_text=on_text)
 
   model, tokenizer = loaded.model, loaded.tokenizer
   padded, lengths = state_lib.pad_prompts(tokenizer.encode_batch(texts), tokenizer.pad_id,
@@ -183,11 +209,7 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
 
   prepared = state_lib.prepare(model)
-  batches = []
-  for first in range(0, len(texts), batch_size):
-    rows = list(range(first, min(first + batch_size, len(texts))))
-    fill = rows + [rows[-1]] * (batch_size - len(rows))  # One shape for every batch.
-    batches.append((rows, padded[fill], lengths[fill]))
+  batches = _batches(padded, lengths, batch_size)
 
   # Compile and warm up: the prefill and one loop step (the step count is not compiled in).
   warm = driver.decode_chunks(prepared, batches[0][1], batches[0][2], request,
@@ -219,7 +241,56 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   return results
 
 
-def _generation(out: state_lib.DecodeResult, row: int, prompt: str, num_prompt_tokens: int,
+def _batches(padded: np.ndarray, lengths: np.ndarray, batch_size: int) -> list[tuple]:
+  """(prompt indices, tokens [batch_size, P], lengths [batch_size]) per batch, in order; a
+  short last batch repeats its last prompt, so every batch has one shape."""
+  batches = []
+  for first in range(0, len(padded), batch_size):
+    rows = list(range(first, min(first + batch_size, len(padded))))
+    fill = rows + [rows[-1]] * (batch_size - len(rows))
+    batches.append((rows, padded[fill], lengths[fill]))
+  return batches
+
+
+def _generate_exported(artifact: runtime.LoadedArtifact, texts: list[str], *,
+                       max_new_tokens: int, decoder: str, temperature: float, top_k: int,
+                       top_p: float, seed: int, tree, lookup: int, batch_size: int,
+                       on_text: TextCallback | None) -> list[Generation]:
+  """`generate` on a jax_export artifact: the same checks, batches, seeds and results.
+
+  The whole loop is one call, so `on_text` gets each prompt's whole text at its end.
+  """
+  tokenizer = artifact.tokenizer
+  padded, lengths = state_lib.pad_prompts(tokenizer.encode_batch(texts), tokenizer.pad_id,
+                                          multiple=_PROMPT_WIDTH_MULTIPLE)
+  padded, lengths = request_lib.check_prompts(
+      padded, lengths, max_new_tokens=max_new_tokens, vocab_size=artifact.vocab_size,
+      max_seq_len=artifact.max_seq_len, eos_id=tokenizer.eos_id)
+  sampling_lib.validate_sampling(temperature, top_k, top_p, artifact.vocab_size)
+  if not decoders.get(decoder).drafts and (tree is not None or lookup):
+    raise ValueError(f'tree and lookup apply to the drafting decoders only, not to {decoder!r}')
+  program = artifact.program(decoder, temperature=temperature, top_k=top_k, top_p=top_p,
+                             tree=tree, lookup=lookup, max_new_tokens=max_new_tokens)
+  special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  batches = _batches(padded, lengths, batch_size)
+  # Compile on the first batch's shape: one token stops every row after the prefill.
+  program.run(artifact.params, batches[0][1], batches[0][2], key=artifact.key(seed),
+              max_new_tokens=1, **special)
+  results = []
+  for index, (rows, tokens, row_lengths) in enumerate(batches):
+    start = time.perf_counter()
+    out = program.run(artifact.params, tokens, row_lengths, key=artifact.key(seed, index),
+                      max_new_tokens=max_new_tokens, **special)
+    seconds = time.perf_counter() - start
+    for row, prompt_index in enumerate(rows):
+      results.append(_generation(out, row, texts[prompt_index], int(row_lengths[row]),
+                                 tokenizer, seconds))
+      if on_text is not None:
+        on_text(prompt_index, results[-1].completion, True)
+  return results
+
+
+def _generation(out: state_lib.DecodeResult | runtime.Result, row: int, prompt: str, num_prompt_tokens: int,
                 tokenizer: tokenizer_lib.Tokenizer, seconds: float) -> Generation:
   """Row `row` of a batch's (host) result, timed over the batch's `seconds`."""
   n = int(out.num_generated[row])

@@ -1,0 +1,147 @@
+"""--format=jax_export: the serialized generate function decodes exactly as its workdir."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import mtp
+from mtp.export import ExportError
+from mtp.export import runtime
+from mtp.export import writer
+from mtp.train import testing
+
+PROMPTS = ['def add(a, b):\n    return', 'import os\n', 'class Point:\n    def __init__(self']
+M = 16  # The most tokens per call the artifact is exported for.
+SAMPLED = dict(temperature=0.8, top_p=0.9)
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  return testing.train_tiny_workdir(tmp_path_factory.mktemp('source'))
+
+
+@pytest.fixture(scope='module')
+def exported(workdir, tmp_path_factory):
+  output = tmp_path_factory.mktemp('exports') / 'artifact'
+  return output, writer.export(workdir, 'jax_export', output, max_new_tokens=M, **SAMPLED)
+
+
+@pytest.fixture(scope='module')
+def source(workdir):
+  return mtp.load(workdir)
+
+
+@pytest.fixture(scope='module')
+def loaded(exported):
+  """One load for the module: its programs compile once per shape."""
+  return mtp.load(exported[0])
+
+
+def _fields(generations):
+  return [(g.tokens, g.num_steps, g.accepted_histogram, g.finish_reason) for g in generations]
+
+
+def test_manifest_files_and_platforms(exported):
+  output, summary = exported
+  artifact = summary['jax_export']
+  assert json.loads((output / 'export.json').read_text())['jax_export'] == artifact
+  programs = {(p['decoder'], p['temperature']) for p in artifact['programs']}
+  assert programs == {('autoregressive', 0.0), ('speculative', 0.0),
+                      ('autoregressive', 0.8), ('speculative', 0.8)}
+  assert 'cpu' in artifact['platforms']
+  # cuda and tpu lower without their hardware: recorded either way.
+  assert set(artifact['platforms']) | set(artifact['lowering_failures']) == {'cpu', 'cuda', 'tpu'}
+  assert artifact['shapes'] == {'batch': 'symbolic', 'prompt_width': 'symbolic'}
+  for program in artifact['programs']:
+    # The parameters are arguments: no program holds a copy of them.
+    assert program['bytes'] < artifact['params']['bytes'] / 2
+    assert (output / program['file']).stat().st_size == program['bytes']
+  assert (output / 'tokenizer.json').is_file() and (output / 'config.json').is_file()
+
+
+def test_greedy_tokens_equal_the_workdirs(loaded, source):
+  assert isinstance(loaded, runtime.LoadedArtifact) and loaded.step == source.step
+  # M tokens, and fewer (a traced limit) in batches of 2 + 1.
+  for decoder, n, batch_size in (('autoregressive', M, None), ('speculative', M, None),
+                                 ('speculative', 7, 2)):
+    want = mtp.generate(source, PROMPTS, max_new_tokens=n, decoder=decoder,
+                        batch_size=batch_size)
+    got = mtp.generate(loaded, PROMPTS, max_new_tokens=n, decoder=decoder,
+                       batch_size=batch_size)
+    assert _fields(got) == _fields(want), (decoder, n)
+    assert [g.completion for g in got] == [g.completion for g in want]
+
+
+def test_sampled_tokens_equal_the_workdirs_for_the_same_seed(loaded, source):
+  want = mtp.generate(source, PROMPTS, max_new_tokens=M, seed=3, **SAMPLED)
+  got = mtp.generate(loaded, PROMPTS, max_new_tokens=M, seed=3, **SAMPLED)
+  assert _fields(got) == _fields(want)
+
+
+_MISMATCH = runtime.ArtifactMismatchError
+
+
+@pytest.mark.parametrize('kwargs,error,message', [
+    (dict(temperature=0.5), _MISMATCH, 'holds no speculative program for temperature=0.5.*it '
+     'serves autoregressive greedy; autoregressive temperature=0.8'),
+    (dict(temperature=0.8, top_p=1.0), _MISMATCH, 'no speculative program for temperature=0.8'),
+    (dict(max_new_tokens=M + 1), _MISMATCH, f'max_new_tokens {M + 1} exceeds the {M}'),
+    (dict(tree='default'), _MISMATCH, 'is not the one .* was exported with'),
+    (dict(tree='auto'), _MISMATCH, "tree='auto' cannot be used with an exported artifact"),
+    (dict(lookup=3), _MISMATCH, 'lookup=3: .* drafts 0 tokens by prompt lookup'),
+    (dict(decoder='autoregressive', tree='chain'), ValueError, 'apply to the drafting '
+     'decoders only'),
+    (dict(prompts=['x' * 253]), ValueError, 'max_seq_len'),
+    (dict(decoder='beam'), ValueError, 'decoder must be one of'),
+])
+def test_requests_it_cannot_serve_are_named(loaded, kwargs, error, message):
+  kwargs = dict(dict(prompts=PROMPTS[:1], max_new_tokens=4), **kwargs)
+  with pytest.raises(error, match=message):
+    mtp.generate(loaded, **kwargs)
+
+
+def test_its_own_tree_named_is_served(loaded, source):
+  want = mtp.generate(source, PROMPTS, max_new_tokens=M)
+  got = mtp.generate(loaded, PROMPTS, max_new_tokens=M, tree='chain')
+  assert _fields(got) == _fields(want)
+
+
+def test_an_export_is_not_a_workdir_to_export(exported, tmp_path):
+  with pytest.raises(ExportError, match='is a jax_export export, not a workdir'):
+    writer.export(exported[0], 'params', tmp_path / 'again')
+
+
+_WITHOUT_MODEL_CODE = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    from mtp.export import runtime
+    artifact, expected = runtime.load(sys.argv[1]), json.loads(sys.argv[2])
+    program = artifact.program('speculative')
+    tokens = [artifact.tokenizer.encode(p) for p in expected['prompts']]
+    width = max(map(len, tokens))
+    prompts = np.array([t + [0] * (width - len(t)) for t in tokens], np.int32)
+    out = program.run(artifact.params, prompts, np.array([len(t) for t in tokens]),
+                      key=artifact.key(0), max_new_tokens=expected['n'],
+                      eos_id=artifact.tokenizer.eos_id, pad_id=artifact.tokenizer.pad_id)
+    got = [out.tokens[i, :out.num_generated[i]].tolist() for i in range(len(tokens))]
+    assert got == expected['tokens'], (got, expected['tokens'])
+    loaded = sorted(m for m in sys.modules if m.startswith(('mtp.model', 'mtp.decode.driver',
+                                                            'flax')))
+    assert not loaded, loaded
+    print('ok', artifact.load_seconds, program.first_call_seconds)
+''')
+
+
+def test_runs_without_the_model_code(exported, source):
+  """A fresh process loads the runtime alone: no model, no decode loop, no Flax."""
+  tokens = [g.tokens for g in mtp.generate(source, PROMPTS, max_new_tokens=M)]
+  run = subprocess.run(
+      [sys.executable, '-c', _WITHOUT_MODEL_CODE, str(exported[0]),
+       json.dumps({'prompts': PROMPTS, 'tokens': tokens, 'n': M})],
+      env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True, timeout=300,
+      cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  assert run.returncode == 0 and run.stdout.startswith('ok'), run.stderr[-3000:]

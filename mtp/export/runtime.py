@@ -1,0 +1,248 @@
+"""Runs a jax_export directory: deserialize the programs, call them. No model code.
+
+This module imports JAX, numpy, safetensors, the tokenizer and the tree helpers
+(`decode/trees.py`, plain numpy), never `mtp.model` nor the decode loop: what runs is the
+StableHLO in the `*.jax_exported` files (`jax_artifact.py` documents their contract).
+
+`load(directory)` reads the manifest, the tokenizer and the parameters (placed on the device
+once), and deserializes every program; `LoadedArtifact.program(...)` picks the program that
+serves a request or raises `ArtifactMismatchError` saying what the artifact can serve;
+`Program.run(...)` decodes a batch. The first call of a program at a new batch size or prompt
+width compiles it (`Program.first_call_seconds` keeps the first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+import pathlib
+import time
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from mtp.data import tokenizer as tokenizer_lib
+from mtp.decode import trees as trees_lib
+from mtp.export import manifest as manifest_lib
+
+FORMAT = 'jax_export'
+
+
+class ArtifactMismatchError(ValueError):
+  """The request asks for something the artifact did not bake in (the message lists what it
+  can serve and how to export one that serves the request)."""
+
+
+@dataclasses.dataclass
+class Result:
+  """A decoded batch, on the host (the fields of `decode.state.DecodeResult`)."""
+  tokens: np.ndarray
+  num_generated: np.ndarray
+  num_steps: np.ndarray
+  accepted_histogram: np.ndarray
+
+  @property
+  def mean_accepted(self) -> np.ndarray:
+    """[B] tokens emitted per loop step (0 for a row that needed no loop step)."""
+    counts = np.arange(self.accepted_histogram.shape[-1], dtype=np.float32)
+    emitted = (self.accepted_histogram * counts).sum(-1)
+    return emitted / np.maximum(self.num_steps, 1).astype(np.float32)
+
+
+@dataclasses.dataclass
+class Program:
+  """One exported generate function and the settings baked into it (manifest record)."""
+  record: dict[str, Any]
+  exported: Any  # jax.export.Exported
+  first_call_seconds: float | None = None
+
+  @property
+  def decoder(self) -> str:
+    return self.record['decoder']
+
+  def run(self, params: dict, prompts: np.ndarray, lengths: np.ndarray, *, key,
+          max_new_tokens: int, eos_id: int | None, pad_id: int) -> Result:
+    """Decodes [B, P] right-padded int32 prompts with per-row `lengths` [B]."""
+    start = time.perf_counter()
+    out = self.exported.call(params, np.asarray(prompts, np.int32),
+                             np.asarray(lengths, np.int32), key,
+                             np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id),
+                             np.int32(max_new_tokens))
+    out = jax.device_get(out)
+    if self.first_call_seconds is None:
+      self.first_call_seconds = time.perf_counter() - start
+    return Result(tokens=out['tokens'], num_generated=out['num_generated'],
+                  num_steps=out['num_steps'], accepted_histogram=out['accepted_histogram'])
+
+
+@dataclasses.dataclass
+class LoadedArtifact:
+  """A jax_export directory, loaded: what `mtp.load` returns for one.
+
+  Attributes:
+    tokenizer, config, step, workdir: as `mtp.api.LoadedModel`'s (workdir: the export).
+    manifest: `export.json`.
+    params: {name: device array}, the programs' first argument.
+    programs: every program of the artifact.
+    load_seconds: reading and deserializing everything (no compilation).
+  """
+  tokenizer: tokenizer_lib.Tokenizer
+  config: ml_collections.ConfigDict
+  step: int
+  workdir: pathlib.Path
+  manifest: dict[str, Any]
+  params: dict[str, jax.Array]
+  programs: list[Program]
+  load_seconds: float
+
+  @property
+  def artifact(self) -> dict[str, Any]:
+    return self.manifest[FORMAT]
+
+  @property
+  def max_new_tokens(self) -> int:
+    return int(self.artifact['max_new_tokens'])
+
+  @property
+  def max_seq_len(self) -> int:
+    return int(self.artifact['max_seq_len'])
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self.artifact['vocab_size'])
+
+  def key(self, seed: int, index: int = 0):
+    """The raw key data a program takes: batch `index` of `seed` (as `mtp.generate` folds)."""
+    key = jax.random.fold_in(jax.random.key(seed, impl=self.artifact['prng_impl']), index)
+    return jax.random.key_data(key)
+
+  def program(self, decoder: str, *, temperature: float = 0.0, top_k: int = 0,
+              top_p: float = 1.0, tree=None, lookup: int = 0,
+              max_new_tokens: int | None = None) -> Program:
+    """The program that serves these settings.
+
+    `tree` None and `lookup` 0 take the program's own; given, they must be the ones it was
+    exported with ('chain', 'default', choices or a `trees.Tree`).
+
+    Raises:
+      ArtifactMismatchError: no program serves them (the message lists what the artifact
+        serves).
+    """
+    if max_new_tokens is not None and max_new_tokens > self.max_new_tokens:
+      raise ArtifactMismatchError(
+          f'max_new_tokens {max_new_tokens} exceeds the {self.max_new_tokens} this artifact '
+          f'was exported for ({self.workdir}); export again with a larger max_new_tokens')
+    want = (decoder, float(temperature), int(top_k) if temperature else 0,
+            float(top_p) if temperature else 1.0)
+    matches = [p for p in self.programs if self._settings(p.record) == want]
+    if not matches:
+      raise ArtifactMismatchError(
+          f'{self.workdir} holds no {decoder} program for temperature={temperature}, '
+          f'top_k={top_k}, top_p={top_p}; it serves {self._listing()}. Export again with '
+          '--temperature/--top_k/--top_p for sampling')
+    program = matches[0]
+    if program.record['tree'] is not None:
+      self._check_tree(program, tree, lookup)
+    return program
+
+  @staticmethod
+  def _settings(record: dict) -> tuple:
+    return (record['decoder'], float(record['temperature']), int(record['top_k']),
+            float(record['top_p']))
+
+  def _listing(self) -> str:
+    return '; '.join(
+        f'{p.decoder} ' + ('greedy' if not p.record['temperature'] else
+                           f'temperature={p.record["temperature"]}, top_k={p.record["top_k"]}, '
+                           f'top_p={p.record["top_p"]}') for p in self.programs)
+
+  def _check_tree(self, program: Program, tree, lookup: int) -> None:
+    baked = {tuple(c) for c in program.record['tree']}
+    if tree is not None:
+      asked = _choices(tree, int(self.config.model.mtp_num_heads))
+      if asked != baked:
+        raise ArtifactMismatchError(
+            f'the tree {sorted(asked)} is not the one {self.workdir} was exported with '
+            f'({sorted(baked)}); leave tree unset to use it, or export again with this tree')
+    if lookup and lookup != program.record['lookup']:
+      raise ArtifactMismatchError(
+          f'lookup={lookup}: {self.workdir}\'s {program.decoder} program drafts '
+          f'{program.record["lookup"]} tokens by prompt lookup; leave lookup at 0 to use it, '
+          'or export again with this lookup')
+
+
+def _choices(tree, num_heads: int) -> set[tuple[int, ...]]:
+  """A tree option as the set of its Medusa-style paths."""
+  if isinstance(tree, str):
+    if tree == 'chain':
+      tree = trees_lib.chain_tree(num_heads)
+    elif tree == 'default':
+      tree = trees_lib.medusa_default_tree(num_heads)
+    else:
+      raise ArtifactMismatchError(
+          f'tree={tree!r} cannot be used with an exported artifact (it needs the model: '
+          "'auto' measures the heads); leave it unset to use the artifact's tree")
+  elif isinstance(tree, numbers.Integral) and not isinstance(tree, bool):
+    tree = trees_lib.chain_tree(int(tree))
+  elif not isinstance(tree, trees_lib.Tree):
+    tree = trees_lib.tree_from_choices(tree)
+  return set(tree.choices)
+
+
+def is_artifact(directory: str | pathlib.Path) -> bool:
+  """Whether `directory` is a jax_export directory (its manifest says so)."""
+  record = manifest_lib.read(directory)
+  return record is not None and record['format'] == FORMAT
+
+
+def load(directory: str | pathlib.Path, device: jax.Device | None = None) -> LoadedArtifact:
+  """Loads a jax_export directory: manifest, tokenizer, parameters, programs.
+
+  Raises:
+    ValueError: it is not a jax_export directory, or a file is missing or corrupt (named).
+  """
+  from safetensors import numpy as safetensors_numpy  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  directory = pathlib.Path(directory)
+  manifest = manifest_lib.read(directory)
+  if manifest is None or manifest['format'] != FORMAT:
+    raise ValueError(f'{directory} is not a jax_export directory (its {manifest_lib.FILENAME} '
+                     'is missing or names another format)')
+  artifact = manifest[FORMAT]
+  tokenizer = tokenizer_lib.Tokenizer.load(directory)
+  config = ml_collections.ConfigDict(json.loads((directory / 'config.json').read_text()))
+  params_path = directory / artifact['params']['file']
+  try:
+    arrays = safetensors_numpy.load_file(str(params_path))
+  except Exception as e:  # pylint: disable=broad-except  # safetensors raises its own types.
+    raise ValueError(f'{params_path} is missing or corrupt ({type(e).__name__}: {e})') from e
+  device = device or jax.devices()[0]
+  params = {name: jax.device_put(value, device) for name, value in arrays.items()}
+  programs = []
+  for record in artifact['programs']:
+    path = directory / record['file']
+    try:
+      exported = jax.export.deserialize(bytearray(path.read_bytes()))
+    except OSError as e:
+      raise ValueError(f'{path} cannot be read ({e})') from e
+    except Exception as e:  # pylint: disable=broad-except  # flatbuffers' own errors.
+      raise ValueError(f'{path} is corrupt ({type(e).__name__}: {e})') from e
+    programs.append(Program(record=record, exported=exported))
+  return LoadedArtifact(tokenizer=tokenizer, config=config, step=int(manifest['step']),
+                        workdir=directory, manifest=manifest, params=params,
+                        programs=programs, load_seconds=time.perf_counter() - start)
+
+
+def check_prompts(artifact: LoadedArtifact, lengths: Sequence[int], max_new_tokens: int) -> None:
+  """Prompt lengths and max_new_tokens against the artifact's limits; errors name the prompt."""
+  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
+      or max_new_tokens < 1):
+    raise ValueError(f'max_new_tokens must be a positive integer, got {max_new_tokens!r}')
+  longest = int(np.argmax(lengths))
+  if lengths[longest] + max_new_tokens > artifact.max_seq_len:
+    raise ValueError(f'prompt length {int(lengths[longest])} + max_new_tokens {max_new_tokens} '
+                     f'= {int(lengths[longest]) + max_new_tokens} exceeds the model position '
+                     f'limit max_seq_len={artifact.max_seq_len} (prompt {longest} is the longest)')
