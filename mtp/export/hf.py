@@ -52,7 +52,7 @@ from mtp.pretrained import llama
 # The dtypes a Hugging Face Llama checkpoint holds (safetensors F32 / BF16 / F16).
 DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
           'float16': np.dtype(np.float16)}
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default shard size, 5 GB.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # 5 GB files, the Hugging Face Hub's customary shard size.
 WEIGHTS, INDEX = 'model.safetensors', 'model.safetensors.index.json'
 CHAT_TEMPLATE = 'chat_template.jinja'
 
