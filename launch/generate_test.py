@@ -135,3 +135,19 @@ def test_output_is_written_whole_or_not_at_all(workdir, tmp_path):
   with pytest.raises(SystemExit):  # Fails after the output was checked: nothing is left.
     _run([f'--workdir={workdir}', '--prompt=x', f'--output={out}', '--temperature=-1'])
   assert not out.exists()
+
+
+@flagsaver.flagsaver
+def test_export_directories_decode_like_their_workdir(workdir, tmp_path, capsys):
+  from mtp.export import writer
+  writer.export(workdir, 'params', tmp_path / 'params')
+  writer.export(workdir, 'jax_export', tmp_path / 'artifact', max_new_tokens=10)
+  tokens = {}
+  for name, directory in (('source', workdir), ('params', tmp_path / 'params'),
+                          ('artifact', tmp_path / 'artifact')):
+    out = tmp_path / f'{name}.jsonl'
+    _run([f'--workdir={directory}', f'--prompt={PROMPTS[0]}', '--max_new_tokens=10',
+          f'--output={out}'])
+    tokens[name] = [r['tokens'] for r in _read(out)]
+  assert tokens['params'] == tokens['source'] == tokens['artifact']
+  assert 'jax_export artifact: loaded in' in capsys.readouterr().err

@@ -1,0 +1,88 @@
+"""launch.export: the formats from the command line, and one line for every bad input."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from launch import export
+from mtp.train import testing
+
+FLAGS = flags.FLAGS
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  return testing.train_tiny_workdir(tmp_path_factory.mktemp('export'))
+
+
+def _run(argv):
+  FLAGS.unparse_flags()
+  FLAGS(['export'] + argv)
+  export.main(['export'])
+
+
+@flagsaver.flagsaver
+def test_params_and_jax_export(workdir, tmp_path, capsys):
+  _run([f'--workdir={workdir}', '--format=params', f'--output={tmp_path / "params"}',
+        '--dtype=bfloat16'])
+  summary = json.loads(capsys.readouterr().out)
+  assert summary['format'] == 'params' and summary['dtype'] == 'bfloat16'
+  assert json.loads((tmp_path / 'params' / 'export.json').read_text())['step'] == 2
+  _run([f'--workdir={workdir}', '--format=jax_export', f'--output={tmp_path / "artifact"}',
+        '--max_new_tokens=8', '--tree=[[0], [1], [0, 0]]', '--platforms=cpu'])
+  captured = capsys.readouterr()
+  artifact = json.loads(captured.out)['jax_export']
+  assert artifact['max_new_tokens'] == 8 and artifact['platforms'] == ['cpu']
+  [speculative] = [p for p in artifact['programs'] if p['decoder'] == 'speculative']
+  assert speculative['tree'] == [[0], [1], [0, 0]]
+  assert re.match(r'launch.export: jax_export \(float32\) of step 2 in .*artifact: [\d.]+ MB',
+                  captured.err.splitlines()[-1])
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--format=onnx'], "unknown export format 'onnx'"),
+    (['--format=params', '--dtype=float16'], "cannot hold dtype 'float16'"),
+    (['--format=params', '--max_new_tokens=8'], 'max_new_tokens does not apply'),
+    (['--format=jax_export', '--tree=bushy'], '--tree must be chain, default or JSON'),
+    (['--format=jax_export', '--lookup=-1'], 'cannot export the speculative decoder: lookup'),
+    (['--format=params', '--output={tmp}/taken'], 'output .*taken already exists'),
+    (['--format=params', '--workdir={tmp}/nowhere'], 'workdir .*nowhere does not exist'),
+    (['--format=params', '--workdir={tmp}'], 'is not an mtp workdir'),
+])
+@flagsaver.flagsaver
+def test_bad_input_is_one_line_and_leaves_nothing(workdir, tmp_path, capsys, monkeypatch, argv,
+                                                  message):
+  monkeypatch.delenv('MTP_TRACEBACK', raising=False)
+  (tmp_path / 'taken').mkdir()
+  argv = [f'--workdir={workdir}', f'--output={tmp_path / "out"}'] + [
+      a.format(tmp=tmp_path) for a in argv]
+  with pytest.raises(SystemExit) as exit_info:
+    _run(argv)
+  assert isinstance(exit_info.value.code, str)  # absl prints it to stderr and exits with 1.
+  assert re.match(f'launch.export: .*{message}', exit_info.value.code), exit_info.value.code
+  assert '\n' not in exit_info.value.code and 'Traceback' not in capsys.readouterr().err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['taken']
+
+
+def test_the_command_line_fails_with_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('MTP_TRACEBACK', None)
+  run = subprocess.run([sys.executable, '-m', 'launch.export', f'--workdir={tmp_path}/none',
+                        '--format=params', f'--output={tmp_path}/out'], env=env,
+                       capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert run.returncode == 1
+  assert run.stderr.strip().splitlines() == [
+      f'launch.export: workdir {tmp_path}/none does not exist'], run.stderr
+  run = subprocess.run([sys.executable, '-m', 'launch.export', '--format=params',
+                        f'--workdir={tmp_path}'], env=env,
+                       capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+      'launch.export: flag --output=None: Flag --output must have a value other than None.']
