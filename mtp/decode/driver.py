@@ -376,6 +376,61 @@ def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, 
   return prepared, state
 
 
+class Slots:
+  """A fixed batch of rows that requests join and leave between chunks (continuous batching).
+
+  `join` prefills new prompts into chosen rows (one compiled prefill for the batch shape, the
+  other rows skipped when the request is row-mapped) and splices them into the running state;
+  `stop` ends rows; `run` advances every live row by a chunk of loop steps. With a row-mapped
+  request each row's tokens are those of a batch of one, whenever it joined.
+  """
+
+  def __init__(self, model, request: DecodeRequest, batch_size: int, *, rng=None,
+               eos_id: int | None = None, pad_id: int = 0, hook_data=None):
+    self.prepared = state_lib.prepare(model)
+    self.request, self.batch_size, self.hook_data = request, int(batch_size), hook_data
+    self._eos = jnp.int32(-1 if eos_id is None else eos_id)
+    self._pad = jnp.int32(pad_id)
+    self._rng = state_lib.as_key(rng)
+    self._joins = 0
+    self.state: LoopState | None = None
+
+  def join(self, prompts, prompt_lengths, rows) -> None:
+    """Prefills prompts [B, P] (checked, P the request's width) into the rows [B] marked."""
+    rows = np.asarray(rows, bool)
+    self._joins += 1
+    fresh = _start(self.prepared.structure, self.prepared.leaves, jnp.asarray(prompts),
+                   jnp.asarray(prompt_lengths), jax.random.fold_in(self._rng, self._joins),
+                   self._eos, self._pad, jnp.asarray(rows), self.request)
+    self.state = fresh if self.state is None else _splice(self.state, fresh, jnp.asarray(rows))
+
+  def stop(self, rows) -> None:
+    """Marks rows [B] done: they stop changing (and cost nothing when row-mapped)."""
+    rows = np.asarray(rows, bool)
+    if self.state is not None and rows.any():
+      self.state = self.state.replace(done=self.state.done | jnp.asarray(rows))
+
+  def run(self, steps: int) -> None:
+    """Up to `steps` loop steps for the live rows."""
+    if self.state is not None and not bool(jnp.all(self.state.done)):
+      self.state = _run(self.prepared.structure, self.prepared.leaves, self.state,
+                        jnp.int32(steps), self.hook_data, self.request)
+
+  def result(self) -> DecodeResult:
+    """Every row's result so far, on the host."""
+    return jax.device_get(result(self.state, self.request.max_new_tokens))
+
+
+@jax.jit
+def _splice(state: LoopState, fresh: LoopState, rows: Array) -> LoopState:
+  """`fresh`'s rows where `rows`, `state`'s elsewhere; the running PRNG key and ids stay."""
+  def pick(old, new):
+    if old.ndim == 0:
+      return old
+    return jnp.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+  return jax.tree.map(pick, state, fresh)
+
+
 def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
              decoder: str = decoders.DEFAULT, eos_id: int | None = None, pad_id: int = 0,
              rng=None, hook_data=None, **options) -> DecodeResult:

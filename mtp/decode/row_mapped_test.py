@@ -66,3 +66,34 @@ def test_row_mapped_decode_equals_batch_of_one_with_fillers_and_stops(decoder):
   assert last.num_steps[2] == 0  # The filler never ran a step.
   assert last.num_steps[3] == 1  # Stopped after one step.
   np.testing.assert_array_equal(last.tokens[3, :2], alone[3].tokens[0, :2])
+
+
+def test_slots_rows_joining_between_chunks_equal_batch_of_one():
+  model = state_lib.prepare(_model())
+  tokens, lengths = state_lib.pad_prompts(PROMPTS, multiple=8)
+  request = request_lib.make_request(model.cfg, tokens.shape[1], max_new_tokens=6,
+                                     row_mapped=True)
+  alone = [jax.device_get(driver.decode(model, tokens[r:r + 1], lengths[r:r + 1],
+                                        request_lib.make_request(
+                                            model.cfg, tokens.shape[1], max_new_tokens=6)))
+           for r in range(len(PROMPTS))]
+  slots = driver.Slots(model, request, 4)
+  slots.join(tokens, lengths, [True, False, False, False])
+  slots.run(1)
+  slots.join(tokens, lengths, [False, True, True, False])  # Rows 1, 2 join row 0 mid-way.
+  slots.run(2)
+  slots.stop([False, False, True, False])  # Row 2 leaves early.
+  slots.join(tokens, lengths, [False, False, False, True])
+  for _ in range(8):
+    slots.run(1)
+  last = slots.result()
+  for row in (0, 1, 3):
+    np.testing.assert_array_equal(last.tokens[row], alone[row].tokens[0])
+    np.testing.assert_array_equal(last.accepted_histogram[row],
+                                  alone[row].accepted_histogram[0])
+  assert last.num_steps[2] == 2
+  # The row that left, reused: a new prompt in slot 2 equals its own batch of one.
+  slots.join(tokens[::-1].copy(), lengths[::-1].copy(), [False, False, True, False])
+  for _ in range(8):
+    slots.run(1)
+  np.testing.assert_array_equal(slots.result().tokens[2], alone[1].tokens[0])

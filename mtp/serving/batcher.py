@@ -1,19 +1,19 @@
-"""Scheduling requests onto the batched decode loop, on one worker thread.
+"""Scheduling requests onto the batched decode loop, on one worker thread: continuous batching.
 
 Requests that share a compiled decoder (decoder, prompt width bucket, max_tokens, sampling
-settings: a `Key`) are batched: the first one waits at most `max_wait_ms` for company, then a
-batch of up to `max_batch` rows starts. Batches of every key run side by side, one chunk of loop
-steps each in turn, so a request that arrives while others decode starts within a chunk and
-never waits for a running batch to end; finished, stopped and cancelled rows leave between
-chunks.
+settings: a `Key`) share a running batch of `max_batch` slots (`driver.Slots`). Between chunks
+of loop steps, finished, stopped and cancelled rows leave and pending requests of the key join
+the free slots at once (their prefill is spliced into the running state). A key with no running
+batch starts one when `max_batch` requests wait or the first has waited `max_wait_ms`. Batches
+of different keys take turns, one chunk each, so no request waits for another batch to end.
 
-Exactness: in `exact` mode (the default) a batch runs row-mapped (`decode/row_mapped.py`):
+Exactness: in `exact` mode (the default) batches are row-mapped (`decode/row_mapped.py`):
 every row computes what a batch of one computes, bit for bit, so a greedy request returns
-`launch.generate`'s tokens whatever shares its batch. The batch keeps the same prompt width
-(`mtp.generate` pads to a multiple of 32) and the same max_tokens, hence the same KV-cache
-size, as `launch.generate`: XLA:CPU's attention reductions depend on that size too. A batch is
-always `max_batch` rows (missing rows are inactive fillers that cost nothing), so each key
-compiles one program.
+`launch.generate`'s tokens whatever shares its batch and whenever it joined. The batch keeps
+`launch.generate`'s prompt width (`mtp.generate` pads to a multiple of 32) and max_tokens,
+hence its KV-cache size: XLA:CPU's attention reductions depend on that size too. Empty slots
+cost nothing there (skipped under `lax.cond`), so each key compiles one batch shape. Without
+`exact`, rows share matmuls (faster for big models; equal up to float ties).
 
 Results go back to the event loop through `Job.emit` (thread-safe).
 """
@@ -29,7 +29,6 @@ import threading
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
 from mtp.decode import driver
@@ -113,8 +112,23 @@ class _Row:
 
 
 class _Batch:
-  def __init__(self, key: Key, jobs: list[Job], rows: list[_Row], chunks):
-    self.key, self.jobs, self.rows, self.chunks = key, jobs, rows, chunks
+  """A running slot batch of one key: rows join free slots and leave between chunks."""
+
+  def __init__(self, key: Key, slots, size: int):
+    self.key, self.slots = key, slots
+    self.rows: list[_Row | None] = [None] * size
+
+  @property
+  def live(self) -> list[_Row]:
+    return [r for r in self.rows if r is not None]
+
+  @property
+  def jobs(self) -> list[Job]:
+    return [r.job for r in self.live]
+
+  def free(self) -> list[int]:
+    # A finished row's slot is free at once: joining overwrites the whole row.
+    return [i for i, r in enumerate(self.rows) if r is None or r.finished]
 
 
 class Batcher:
@@ -212,24 +226,23 @@ class Batcher:
     self.warm.set()
     while not self._stop.is_set():
       self._take_arrivals(block=not self._active and not any(self._pending.values()))
-      self._start_batches()
+      self._admit()
       for batch in list(self._active):
         self._advance(batch)
 
   def _compile_ahead(self) -> None:
+    """Compiles a key's prefill, splice and loop: a batch of one short prompt, two chunks."""
     for decoder, max_tokens in self._warmup:
       sampling = schemas.Sampling(max_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=None,
                                   stop=(), decoder=decoder, stream=False)
       job = Job([self.tokenizer.bos_id], sampling, emit=lambda e: None)
-      request = self._request(self._key(job))
-      prompts = np.full((self.max_batch, job.width), self.tokenizer.pad_id, np.int32)
-      prompts[:, 0] = job.ids[0]
-      chunks = driver.decode_chunks(self.prepared, prompts, np.ones(self.max_batch, np.int32),
-                                    request, steps_per_chunk=1, eos_id=self.tokenizer.eos_id,
-                                    pad_id=self.tokenizer.pad_id)
-      for _ in itertools.islice(chunks, 2):
-        pass
-      chunks.close()
+      slots = self._slots(self._key(job))
+      prompts, lengths, rows = self._layout([job], [0], job.width)
+      slots.join(prompts, lengths, rows)
+      slots.run(1)
+      slots.join(prompts, lengths, rows)
+      slots.run(1)
+      slots.result()
 
   def _take_arrivals(self, block: bool) -> None:
     """Moves arrived jobs to their key's queue; blocks (briefly) when there is nothing to do."""
@@ -244,91 +257,119 @@ class Batcher:
       except queue.Empty:
         return
 
-  def _start_batches(self) -> None:
-    now = time.perf_counter()
+  def _admit(self) -> None:
+    """Pending jobs join a running batch of their key at once; else, after waiting at most
+    max_wait_ms for company, they start a new one."""
     for key, jobs in list(self._pending.items()):
-      while jobs and (len(jobs) >= self.max_batch or now - jobs[0].arrived >= self.max_wait
-                      or not self._active):
-        if not self._active and len(jobs) < self.max_batch and \
-            now - jobs[0].arrived < self.max_wait:
-          # Nothing runs: wait out max_wait_ms for company, arrivals included.
-          time.sleep(max(0.0, self.max_wait - (now - jobs[0].arrived)))
-          self._take_arrivals(block=False)
-          now = time.perf_counter()
-          continue
-        taken = [jobs.popleft() for _ in range(min(self.max_batch, len(jobs)))]
-        with self._lock:
-          self._waiting -= len(taken)
-        self._begin(key, [j for j in taken if not j.cancelled.is_set()], taken)
+      for batch in [b for b in self._active if b.key == key]:
+        if jobs and batch.free():
+          self._join(batch, self._take(jobs, len(batch.free())))
+      if not jobs:
+        continue
+      waited = time.perf_counter() - jobs[0].arrived
+      if len(jobs) < self.max_batch and waited < self.max_wait:
+        if self._active:
+          continue  # Others decode meanwhile; look again after their next chunk.
+        time.sleep(self.max_wait - waited)  # Nothing runs: wait out max_wait_ms for company.
+        self._take_arrivals(block=False)
+      while jobs:
+        try:
+          batch = _Batch(key, self._slots(key), self._size(key))
+        except Exception as e:  # noqa: BLE001
+          self._fail(self._take(jobs, len(jobs)), e)
+          break
+        self._active.append(batch)
+        self._join(batch, self._take(jobs, self.max_batch))
 
-  def _begin(self, key: Key, jobs: list[Job], taken: list[Job]) -> None:
-    for job in taken:
-      if job.cancelled.is_set():
-        self._count(cancelled=1)
+  def _take(self, jobs: collections.deque, n: int) -> list[Job]:
+    taken = [jobs.popleft() for _ in range(min(n, len(jobs)))]
+    with self._lock:
+      self._waiting -= len(taken)
+    live = [j for j in taken if not j.cancelled.is_set()]
+    self._count(cancelled=len(taken) - len(live))
+    return live
+
+  def _size(self, key: Key) -> int:
+    return self.max_batch
+
+  def _slots(self, key: Key):
+    seed = next(self._seeds) + 1
+    return driver.Slots(self.prepared, self._request(key), self._size(key), rng=seed,
+                        eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+
+  def _layout(self, jobs: list[Job], slots: list[int], width: int):
+    """Prompts [B, width], lengths and the rows joined; other rows copy a joined one."""
+    size = self.max_batch
+    prompts = np.full((size, width), self.tokenizer.pad_id, np.int32)
+    lengths = np.full(size, len(jobs[0].ids), np.int32)
+    prompts[:, :len(jobs[0].ids)] = jobs[0].ids
+    rows = np.zeros(size, bool)
+    for slot, job in zip(slots, jobs):
+      prompts[slot] = self.tokenizer.pad_id
+      prompts[slot, :len(job.ids)] = job.ids
+      lengths[slot], rows[slot] = len(job.ids), True
+    return prompts, lengths, rows
+
+  def _join(self, batch: _Batch, jobs: list[Job]) -> None:
+    """Prefills jobs into free slots of `batch`; their first tokens go out at once."""
     if not jobs:
       return
+    slots = batch.free()[:len(jobs)]
     try:
-      request = self._request(key)
-      size = self.max_batch if self.exact else _bucket(len(jobs), self.max_batch)
-      width = key[1]
-      prompts = np.full((size, width), self.tokenizer.pad_id, np.int32)
-      lengths = np.ones(size, np.int32)
-      for row, job in enumerate(jobs):
-        prompts[row, :len(job.ids)] = job.ids
-        lengths[row] = len(job.ids)
-      for row in range(len(jobs), size):  # Fillers: a copy of the first row, inactive.
-        prompts[row], lengths[row] = prompts[0], lengths[0]
-      active = np.arange(size) < len(jobs)
-      seed = jobs[0].sampling.seed
-      rng = jax.random.fold_in(jax.random.key(seed if seed is not None else
-                                              next(self._seeds) + 1), 0)
-      streaming_batch = any(j.sampling.stream for j in jobs)
-      # Streams show every verification step: one step per chunk.
-      steps = 1 if streaming_batch else request_lib.steps_per_chunk(self.steps_per_chunk,
-                                                                     key[0])
-      rows = [_Row(job, self.tokenizer) for job in jobs]
-      chunks = driver.decode_chunks(
-          self.prepared, prompts, lengths, request, steps_per_chunk=steps, rng=rng,
-          eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, active=active,
-          stop=lambda: self._stopped(rows, size))
-      self._active.append(_Batch(key, jobs, rows, chunks))
-      self._count(batches=1, batch_rows=len(jobs),
-                  prompt_tokens=sum(len(j.ids) for j in jobs))
-    except Exception as e:  # noqa: BLE001  One batch fails, not the server.
-      self._fail(jobs, e)
+      if self.fault is not None:
+        self.fault(jobs)
+      prompts, lengths, rows = self._layout(jobs, slots, batch.key[1])
+      batch.slots.join(prompts, lengths, rows)
+      for slot, job in zip(slots, jobs):
+        batch.rows[slot] = _Row(job, self.tokenizer)
+      self._count(batches=1, batch_rows=len(jobs), prompt_tokens=sum(len(j.ids) for j in jobs))
+      self._emit(batch, batch.slots.result())
+    except Exception as e:  # noqa: BLE001  These requests fail, not the server.
+      for slot, job in zip(slots, jobs):
+        if batch.rows[slot] is not None and batch.rows[slot].job is job:
+          batch.rows[slot] = None
+      self._fail([j for j in jobs], e)
+      self._drop_if_idle(batch)
 
-  def _stopped(self, rows: list[_Row], size: int) -> np.ndarray:
-    mask = np.zeros(size, bool)
-    for i, row in enumerate(rows):
-      if row.finished or row.job.cancelled.is_set():
-        if not row.finished:
-          row.finished = True
-          self._count(cancelled=1)
+  def _stopped(self, batch: _Batch) -> np.ndarray:
+    """[B] rows to stop: free slots, finished rows, rows whose client left (freed now)."""
+    mask = np.zeros(len(batch.rows), bool)
+    for i, row in enumerate(batch.rows):
+      if row is not None and row.job.cancelled.is_set() and not row.finished:
+        row.finished = True
+        self._count(cancelled=1)
+      if row is None or row.finished:
+        batch.rows[i] = None
         mask[i] = True
     return mask
 
   def _advance(self, batch: _Batch) -> None:
-    """One chunk of `batch`: its rows' new tokens go out; finished rows end."""
+    """One chunk of `batch`: its rows' new tokens go out; finished rows leave."""
     try:
+      batch.slots.stop(self._stopped(batch))
+      if not batch.live:
+        self._drop_if_idle(batch)
+        return
       if self.fault is not None:
         self.fault(batch.jobs)
-      result = next(batch.chunks, None)
-      if result is None:
-        self._active.remove(batch)
-        for row in batch.rows:
-          if not row.finished:  # Should not happen: every row ends before the loop does.
-            self._finish(row, None, 'length')
-        return
-      done = _finished(result, batch.key[2], self.tokenizer.eos_id)
-      for i, row in enumerate(batch.rows):
-        if row.finished:
-          continue
+      # Streams show every verification step: one step per chunk while a row streams.
+      steps = 1 if any(j.sampling.stream for j in batch.jobs) else \
+          request_lib.steps_per_chunk(self.steps_per_chunk, batch.key[0])
+      batch.slots.run(steps)
+      self._emit(batch, batch.slots.result())
+    except Exception as e:  # noqa: BLE001  One batch fails, not the server.
+      self._active.remove(batch)
+      self._fail([r.job for r in batch.live if not r.finished], e)
+
+  def _drop_if_idle(self, batch: _Batch) -> None:
+    if not batch.live and batch in self._active:
+      self._active.remove(batch)  # Its state goes; a later request starts a fresh batch.
+
+  def _emit(self, batch: _Batch, result) -> None:
+    done = _finished(result, batch.key[2], self.tokenizer.eos_id)
+    for i, row in enumerate(batch.rows):
+      if row is not None and not row.finished:
         self._emit_row(row, result, i, bool(done[i]), batch.key[2])
-    except Exception as e:  # noqa: BLE001
-      if batch in self._active:
-        self._active.remove(batch)
-      batch.chunks.close()
-      self._fail([r.job for r in batch.rows if not r.finished], e)
 
   def _emit_row(self, row: _Row, result, i: int, done: bool, max_tokens: int) -> None:
     count = int(result.num_generated[i])

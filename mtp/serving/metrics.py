@@ -52,8 +52,9 @@ class Metrics:
       help_ = dict(prompt_tokens='Prompt tokens of decoded requests.',
                    completion_tokens='Tokens generated.',
                    verification_steps='Verification steps (decode loop passes) over all rows.',
-                   batches='Decode batches started.', batch_rows='Requests put into batches.',
-                   batch_failures='Batches that raised (their requests got 500).',
+                   batches='Prefills: a batch started or rows joining a running one.',
+                   batch_rows='Requests put into batches.',
+                   batch_failures='Failed prefills or chunks (their requests got 500).',
                    cancelled='Requests whose client left before the end.')
       for name, value in self.counters.items():
         lines += [f'# HELP mtp_{name}_total {help_[name]}', f'# TYPE mtp_{name}_total counter',
