@@ -1,7 +1,7 @@
 r"""Exports a trained workdir for serving.
 
   python -m launch.export --workdir=workdirs/code_small --format=params --output=DIR \
-      [--dtype=float32|bfloat16]
+      [--dtype=float32|bfloat16 (|float16 for hf)]
   python -m launch.export --workdir=W --format=jax_export --output=DIR [--max_new_tokens=256 \
       --tree=chain|default|JSON --lookup=0 --temperature=0.7 --top_k=0 --top_p=0.9 \
       --platforms=cpu,cuda,tpu]
@@ -36,7 +36,7 @@ flags.DEFINE_string('workdir', None, 'Trained workdir (heads on a frozen base ar
 flags.DEFINE_string('format', None, 'params, hf or jax_export.')
 flags.DEFINE_string('output', None, 'Directory to create (it must not exist).')
 flags.DEFINE_string('dtype', None, 'Parameter dtype in the export: float32 (default) or '
-                    'bfloat16.')
+                    'bfloat16; float16 too for hf.')
 # jax_export only.
 flags.DEFINE_integer('max_new_tokens', None, 'jax_export: the most tokens one call generates '
                      '(default min(256, max_seq_len / 2)).')

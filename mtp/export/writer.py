@@ -52,7 +52,7 @@ class Format:
 _REGISTRY = (
     Format('params', 'mtp.export.params', ('float32', 'bfloat16'), (),
            'a param-only Orbax checkpoint, config.json and the tokenizer (mtp.load reads it)'),
-    Format('hf', 'mtp.export.hf', ('float32', 'bfloat16'), (),
+    Format('hf', 'mtp.export.hf', ('float32', 'bfloat16', 'float16'), ('max_shard_bytes',),
            'a Hugging Face Llama directory, heads in their serving systems\' formats'),
     Format('jax_export', 'mtp.export.jax_artifact', ('float32', 'bfloat16'),
            ('max_new_tokens', 'tree', 'lookup', 'temperature', 'top_k', 'top_p', 'platforms'),
