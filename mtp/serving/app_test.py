@@ -192,3 +192,28 @@ def test_metrics_are_prometheus_text(served):
     assert name in text
   for line in text.splitlines():
     assert line.startswith('#') or len(line.split()) == 2, line
+
+
+def test_a_request_joins_a_running_batch(served, client):
+  url, batcher, loaded = served
+  want = testing.references(loaded, [PROMPTS[1]], MAX_TOKENS)[PROMPTS[1]]
+  seen = []
+
+  def slow(jobs):  # Every chunk of a batch holding a SLOW request takes a while.
+    if any(j.prompt.startswith('SLOW') for j in jobs):
+      seen.append((len(jobs), len(batcher._active)))
+      time.sleep(0.15)
+  batcher.fault = slow
+  try:
+    with httpx.stream('POST', url + '/v1/completions', timeout=30,
+                      json={'prompt': 'SLOW', 'max_tokens': MAX_TOKENS, 'stream': True}) as r:
+      lines = r.iter_lines()
+      next(lines)  # The slow row is decoding now.
+      response = client.completions.create(model='m', prompt=PROMPTS[1],
+                                            max_tokens=MAX_TOKENS, temperature=0)
+      assert [line for line in lines if line][-1] == 'data: [DONE]'
+  finally:
+    batcher.fault = None
+  assert response.model_extra['mtp']['tokens'] == want
+  assert (2, 1) in seen  # Both rows in one running batch: the second joined the first.
+  assert all(active == 1 for _, active in seen)
