@@ -217,3 +217,25 @@ def test_a_request_joins_a_running_batch(served, client):
   assert response.model_extra['mtp']['tokens'] == want
   assert (2, 1) in seen  # Both rows in one running batch: the second joined the first.
   assert all(active == 1 for _, active in seen)
+
+
+def test_stop_sequences_cut_the_text_streamed_or_not(served, client):
+  loaded = served[2]
+  tokens = testing.references(loaded, [PROMPTS[0]], MAX_TOKENS)[PROMPTS[0]]
+  full = loaded.tokenizer.decode(tokens)
+  stop = full[2:4]
+  assert stop and len(full) > 4
+  response = client.completions.create(model='m', prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                        temperature=0, stop=[stop])
+  assert response.choices[0].text == full[:full.index(stop)]
+  assert response.choices[0].finish_reason == 'stop'
+  streamed = ''.join(c.choices[0].text for c in client.completions.create(
+      model='m', prompt=PROMPTS[0], max_tokens=MAX_TOKENS, stop=stop, stream=True) if c.choices)
+  assert streamed == response.choices[0].text
+
+
+def test_sampled_requests_are_served(client):
+  response = client.completions.create(model='m', prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                        temperature=0.8, top_p=0.9, seed=3)
+  assert 1 <= response.usage.completion_tokens <= MAX_TOKENS
+  assert response.choices[0].finish_reason in ('stop', 'length')

@@ -1,0 +1,49 @@
+"""The batcher's parts: stop sequences over streamed text, and the shared-matmul mode."""
+
+import concurrent.futures
+
+import openai
+import pytest
+
+import mtp
+from mtp.serving import batcher as batcher_lib
+from mtp.serving import server
+from mtp.serving import testing
+
+
+def test_stop_text_holds_back_what_could_become_a_stop_sequence():
+  stop = batcher_lib._StopText(('END',))
+  # The last len('END') - 1 characters might start 'END': held back.
+  assert stop.push('abcE', final=False) == ('ab', False)
+  assert stop.push('N', final=False) == ('c', False)
+  assert stop.push('Dxyz', final=False) == ('', True)  # Cut right before END.
+  free = batcher_lib._StopText(())
+  assert free.push('abc', final=False) == ('abc', False)
+  late = batcher_lib._StopText(('zz',))
+  assert late.push('abz', final=False) == ('ab', False)
+  assert late.push('', final=True) == ('z', False)  # The end releases what was held.
+
+
+@pytest.fixture(scope='module')
+def served(tmp_path_factory):
+  workdir = testing.tiny_workdir(tmp_path_factory.mktemp('vectorized') / 'wd')
+  loaded = mtp.load(workdir)
+  with server.running(loaded, max_batch=4, exact=False,
+                      warmup=[('autoregressive', 6)]) as (url, batcher):
+    yield url, loaded
+
+
+def test_shared_matmul_mode_serves_concurrent_requests(served):
+  """--noexact: rows share matmuls; equal to launch.generate up to float ties (none here)."""
+  url, loaded = served
+  prompts = [f'def g{i}(y):' for i in range(8)]
+  want = testing.references(loaded, prompts, 6, decoder='autoregressive')
+  client = openai.OpenAI(base_url=url + '/v1', api_key='unused', max_retries=0)
+
+  def ask(prompt):
+    response = client.completions.create(model='m', prompt=prompt, max_tokens=6,
+                                          temperature=0, extra_body={'decoder': 'autoregressive'})
+    return response.model_extra['mtp']['tokens']
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    got = list(pool.map(ask, prompts))
+  assert got == [want[p] for p in prompts]
