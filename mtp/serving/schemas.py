@@ -91,7 +91,8 @@ def sampling(body: dict, *, default_max_tokens: int, decoders: tuple[str, ...],
     raise RequestError(f'stream must be a boolean, got {json.dumps(stream)}', param='stream')
   max_tokens = body.get('max_tokens', body.get('max_completion_tokens'))
   max_tokens = _int({'max_tokens': max_tokens}, 'max_tokens', default_max_tokens, low=1)
-  temperature = _float(body, 'temperature', 1.0 if 'temperature' in body else 0.0, 0.0, 2.0)
+  # Greedy unless asked (OpenAI's default is 1): greedy is what the server promises exact.
+  temperature = _float(body, 'temperature', 0.0, 0.0, 2.0)
   top_p = _float(body, 'top_p', 1.0, 0.0, 1.0, low_open=True)
   seed = body.get('seed')
   if seed is not None:
