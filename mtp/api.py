@@ -66,8 +66,8 @@ def load(workdir: str | os.PathLike, step: int | None = None,
           f'{workdir} is a jax_export of step {artifact.step}, not of step {step}.')
     return artifact
   if exported is not None and exported['format'] != 'params':
-    raise ValueError(f'{workdir} is a {exported["format"]} export, which mtp does not run: '
-                     'load the training workdir, or a params or jax_export export')
+    raise ValueError(f'{workdir} is an export in the {exported["format"]} format, which mtp '
+                     'does not run: load the training workdir, or a params or jax_export export')
   config = checkpointing.load_config(workdir)
   if not (workdir / tokenizer_lib.FILENAME).exists():
     raise checkpointing.CheckpointError(f'{workdir / tokenizer_lib.FILENAME} does not exist.')

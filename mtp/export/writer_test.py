@@ -98,3 +98,13 @@ def test_the_output_lock_keeps_a_second_export_out(workdir, tmp_path):
     with pytest.raises(workdir_lock.WorkdirLockedError, match='is in use by'):
       writer.export(workdir, 'params', output)
   assert not output.exists() and _leftovers(tmp_path) == []
+
+
+def test_mtp_load_names_an_export_it_does_not_run(tmp_path):
+  import mtp  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'export.json').write_text(json.dumps({'format': 'hf'}))
+  with pytest.raises(ValueError, match='is an export in the hf format, which mtp does not run'):
+    mtp.load(tmp_path)
+  (tmp_path / 'export.json').write_text('{"format": ')
+  with pytest.raises(ValueError, match='export.json is corrupt: not valid JSON'):
+    mtp.load(tmp_path)
