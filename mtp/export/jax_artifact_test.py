@@ -13,6 +13,7 @@ from mtp.export import ExportError
 from mtp.export import runtime
 from mtp.export import writer
 from mtp.train import testing
+from mtp.train import trainer as trainer_lib
 
 PROMPTS = ['def add(a, b):\n    return', 'import os\n', 'class Point:\n    def __init__(self']
 M = 16  # The most tokens per call the artifact is exported for.
@@ -108,6 +109,21 @@ def test_its_own_tree_named_is_served(loaded, source):
   want = mtp.generate(source, PROMPTS, max_new_tokens=M)
   got = mtp.generate(loaded, PROMPTS, max_new_tokens=M, tree='chain')
   assert _fields(got) == _fields(want)
+
+
+def test_heads_of_another_family_on_a_frozen_base(workdir, tmp_path):
+  """Sequential heads (their own KV-cache layers) trained on the workdir's frozen trunk: the
+  export merges the two, and decodes as the heads workdir does."""
+  heads = tmp_path / 'heads'
+  config = testing.tiny_config(**{'init_from': str(workdir), 'optim.mode': 'frozen_trunk',
+                                  'model.mtp_head_type': 'sequential', 'model.mtp_num_heads': 2,
+                                  'num_train_steps': 1, 'eval_steps': 0})
+  trainer_lib.train_and_evaluate(config, heads)
+  writer.export(heads, 'jax_export', tmp_path / 'artifact', max_new_tokens=M, platforms=['cpu'])
+  want = mtp.generate(mtp.load(heads), PROMPTS, max_new_tokens=M)
+  got = mtp.generate(mtp.load(tmp_path / 'artifact'), PROMPTS, max_new_tokens=M)
+  assert _fields(got) == _fields(want)
+  assert len(got[0].accepted_histogram) == 2 + 2  # Two sequential heads drafted.
 
 
 def test_an_export_is_not_a_workdir_to_export(exported, tmp_path):
