@@ -126,6 +126,18 @@ def test_heads_of_another_family_on_a_frozen_base(workdir, tmp_path):
   assert len(got[0].accepted_histogram) == 2 + 2  # Two sequential heads drafted.
 
 
+def test_bfloat16_decodes_as_the_bfloat16_params_export(workdir, tmp_path):
+  writer.export(workdir, 'params', tmp_path / 'params', dtype='bfloat16')
+  writer.export(workdir, 'jax_export', tmp_path / 'artifact', dtype='bfloat16',
+                max_new_tokens=M, platforms=['cpu'])
+  loaded = mtp.load(tmp_path / 'artifact')
+  assert {str(a.dtype) for a in loaded.params.values()} == {'bfloat16'}
+  want = mtp.generate(mtp.load(tmp_path / 'params'), PROMPTS, max_new_tokens=M,
+                      decoder='autoregressive')
+  got = mtp.generate(loaded, PROMPTS, max_new_tokens=M)
+  assert [g.tokens for g in got] == [g.tokens for g in want]
+
+
 def test_an_export_is_not_a_workdir_to_export(exported, tmp_path):
   with pytest.raises(ExportError, match='is a jax_export export, not a workdir'):
     writer.export(exported[0], 'params', tmp_path / 'again')

@@ -6,7 +6,8 @@ model (`mtp.load`: a heads-on-a-frozen-base workdir comes back merged, trunk and
 hands it to the format's `write(loaded, directory, dtype, **options) -> dict`, which fills an
 empty directory. That directory is a temporary sibling of `output` (`.NAME.exporting-PID`),
 renamed to `output` only when complete and holding its `export.json`; any failure removes it,
-so `output` is either whole or absent.
+so `output` is either whole or absent (a killed export's staging directory is removed by the
+next export to the same output).
 
 The lock taken is the output's (`<output>.lock`, `checkpoint/workdir_lock.py`): the export
 writes there, and two exports to one output would race between their checks and the rename.
@@ -114,8 +115,10 @@ def export(workdir: str | os.PathLike, format: str, output: str | os.PathLike, *
     _check_output(output)  # Still free now that it is ours.
     loaded = mtp.load(workdir, step=step)
     loaded_at = time.perf_counter()
+    # Staging siblings of exports to this output that were killed: stale, as the lock is ours.
+    for stale in output.parent.glob(f'.{output.name}.exporting-*'):
+      shutil.rmtree(stale, ignore_errors=True)
     staging = output.with_name(f'.{output.name}.exporting-{os.getpid()}')
-    shutil.rmtree(staging, ignore_errors=True)
     try:
       staging.mkdir()
       details = module.write(loaded, staging, np_dtype, **options) or {}

@@ -87,6 +87,7 @@ def test_a_failure_midway_leaves_nothing(workdir, tmp_path, monkeypatch):
     writer.export(workdir, 'params', output)
   assert not output.exists() and _leftovers(tmp_path) == []
   monkeypatch.undo()
+  (tmp_path / '.out.exporting-999999').mkdir()  # As a killed export leaves it.
   summary = writer.export(workdir, 'params', output)  # The same export now succeeds.
   assert summary['format'] == 'params' and (output / 'export.json').is_file()
   assert _leftovers(tmp_path) == []
