@@ -290,8 +290,9 @@ def _generate_exported(artifact: runtime.LoadedArtifact, texts: list[str], *,
   return results
 
 
-def _generation(out: state_lib.DecodeResult | runtime.Result, row: int, prompt: str, num_prompt_tokens: int,
-                tokenizer: tokenizer_lib.Tokenizer, seconds: float) -> Generation:
+def _generation(out: state_lib.DecodeResult | runtime.Result, row: int, prompt: str,
+                num_prompt_tokens: int, tokenizer: tokenizer_lib.Tokenizer,
+                seconds: float) -> Generation:
   """Row `row` of a batch's (host) result, timed over the batch's `seconds`."""
   n = int(out.num_generated[row])
   generated = [int(t) for t in out.tokens[row, :n]]
