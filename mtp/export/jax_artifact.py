@@ -193,6 +193,12 @@ def write(loaded, directory: pathlib.Path, dtype: np.dtype, **options) -> dict[s
       'key_dtype': str(key_data.dtype),
       'vocab_size': model.cfg.trunk.vocab_size, 'max_seq_len': model.cfg.trunk.max_seq_len,
       'calling_convention_version': exported.calling_convention_version,
+      # What each program fixed when it was traced, and what a call still chooses.
+      'baked': {'per_program': ['decoder', 'tree', 'lookup', 'temperature', 'top_k', 'top_p'],
+                'max_new_tokens': max_new_tokens, 'vocab_limit': emittable['vocab_limit'],
+                'banned_ids': list(emittable['banned_ids']), 'devices': 1},
+      'traced': ['batch size', 'prompt width', 'prompts', 'lengths', 'seed (key)', 'eos_id',
+                 'pad_id', f'max_new_tokens in [1, {max_new_tokens}]'],
       'arguments': ['params', 'prompts', 'lengths', 'key', 'eos_id', 'pad_id',
                     'max_new_tokens'],
       'outputs': ['tokens', 'num_generated', 'num_steps', 'accepted_histogram']}

@@ -57,6 +57,7 @@ def test_manifest_files_and_platforms(exported):
   # cuda and tpu lower without their hardware: recorded either way.
   assert set(artifact['platforms']) | set(artifact['lowering_failures']) == {'cpu', 'cuda', 'tpu'}
   assert artifact['shapes'] == {'batch': 'symbolic', 'prompt_width': 'symbolic'}
+  assert artifact['baked']['max_new_tokens'] == M and artifact['baked']['banned_ids'] == [0]
   for program in artifact['programs']:
     # The parameters are arguments: no program holds a copy of them.
     assert program['bytes'] < artifact['params']['bytes'] / 2
