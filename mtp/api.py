@@ -273,9 +273,10 @@ def _generate_exported(artifact: runtime.LoadedArtifact, texts: list[str], *,
                              tree=tree, lookup=lookup, max_new_tokens=max_new_tokens)
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
   batches = _batches(padded, lengths, batch_size)
-  # Compile on the first batch's shape: one token stops every row after the prefill.
+  # Compile and warm up on the first batch's shape: the prefill and one loop step (a loop
+  # body's first run costs more than its later ones).
   program.run(artifact.params, batches[0][1], batches[0][2], key=artifact.key(seed),
-              max_new_tokens=1, **special)
+              max_new_tokens=2, **special)
   results = []
   for index, (rows, tokens, row_lengths) in enumerate(batches):
     start = time.perf_counter()
