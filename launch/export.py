@@ -89,8 +89,13 @@ def main(argv):
     summary = writer.export(FLAGS.workdir, FLAGS.format, FLAGS.output, dtype=FLAGS.dtype,
                             **options())
   sys.stdout.write(json.dumps(summary, indent=2) + '\n')
+  details = summary[summary['format']]
+  training = ''
+  if 'training_checkpoint_bytes' in details:  # params: against what training keeps.
+    training = (f' (its checkpoint {details["checkpoint_bytes"] / 1e6:.2f} MB, the training '
+                f'checkpoint\'s {details["training_checkpoint_bytes"] / 1e6:.2f} MB)')
   print(f'{PROGRAM}: {summary["format"]} ({summary["dtype"]}) of step {summary["step"]} in '
-        f'{summary["output"]}: {summary["bytes"] / 1e6:.2f} MB in '
+        f'{summary["output"]}: {summary["bytes"] / 1e6:.2f} MB{training} in '
         f'{summary["seconds"]["total"]:.1f}s', file=sys.stderr)
 
 

@@ -31,8 +31,11 @@ def _run(argv):
 def test_params_and_jax_export(workdir, tmp_path, capsys):
   _run([f'--workdir={workdir}', '--format=params', f'--output={tmp_path / "params"}',
         '--dtype=bfloat16'])
-  summary = json.loads(capsys.readouterr().out)
+  captured = capsys.readouterr()
+  summary = json.loads(captured.out)
   assert summary['format'] == 'params' and summary['dtype'] == 'bfloat16'
+  assert re.search(r'its checkpoint [\d.]+ MB, the training checkpoint\'s [\d.]+ MB\)',
+                   captured.err)
   assert json.loads((tmp_path / 'params' / 'export.json').read_text())['step'] == 2
   _run([f'--workdir={workdir}', '--format=jax_export', f'--output={tmp_path / "artifact"}',
         '--max_new_tokens=8', '--tree=[[0], [1], [0, 0]]', '--platforms=cpu'])
