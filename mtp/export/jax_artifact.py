@@ -116,7 +116,7 @@ def variants(model_cfg: mtp_model.ModelConfig, *, max_new_tokens: int | None = N
       kwargs = dict(decoder=decoder, **setting)
       if decoder == 'speculative':
         kwargs['tree'] = _tree(tree, model_cfg.mtp_num_heads)
-        kwargs['lookup'] = int(lookup) if setting['temperature'] == 0 else 0
+        kwargs['lookup'] = lookup if setting['temperature'] == 0 else 0  # Checked below.
       try:
         request_lib.make_request(model_cfg, 1, max_new_tokens=int(max_new_tokens), **kwargs)
       except ValueError as e:
