@@ -1,11 +1,11 @@
 """mtp: multi-token prediction training and exact self-speculative decoding in JAX.
 
-`mtp.load` and `mtp.generate` are imported on first use, so that importing a light submodule
-(`mtp.decode.decoders`, for a launcher's flags) does not start JAX.
+`mtp.load`, `mtp.generate` and `mtp.chat` are imported on first use, so that importing a light
+submodule (`mtp.decode.decoders`, for a launcher's flags) does not start JAX.
 """
 
 __version__ = '0.1.0'
-__all__ = ['Generation', 'LoadedModel', 'generate', 'load']
+__all__ = ['Generation', 'LoadedModel', 'chat', 'generate', 'load']
 
 
 def __getattr__(name):

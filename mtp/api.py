@@ -135,7 +135,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
              top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              tree: str | Sequence[Sequence[int]] | trees_lib.Tree | None = None,
              lookup: int = 0, batch_size: int | None = None, on_text: TextCallback | None = None,
-             steps_per_chunk: int | None = None) -> list[Generation]:
+             steps_per_chunk: int | None = None, special_tokens: bool = False
+             ) -> list[Generation]:
   """Completes text prompts with a trained model: the Python twin of `launch.generate`.
 
   Prompts are decoded in batches of `batch_size` in their given order, right-padded to one
@@ -170,6 +171,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
       (`finished` marks the last call for that prompt); timings then include the per-chunk
       host round trips.
     steps_per_chunk: loop steps per chunk when streaming (None: the decoder's default).
+    special_tokens: read special-token strings in the prompts (a rendered chat template's
+      markers, as `chat` makes) as the model's special ids; by default they are plain text.
 
   Returns:
     One `Generation` per prompt, in order.
@@ -187,11 +190,12 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   if isinstance(loaded, runtime.LoadedArtifact):
     return _generate_exported(loaded, texts, max_new_tokens=max_new_tokens, decoder=decoder,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              tree=tree, lookup=lookup, batch_size=batch_size, on_text=on_text)
+                              tree=tree, lookup=lookup, batch_size=batch_size, on_text=on_text,
+                              special_tokens=special_tokens)
 
   model, tokenizer = loaded.model, loaded.tokenizer
-  padded, lengths = state_lib.pad_prompts(tokenizer.encode_batch(texts), tokenizer.pad_id,
-                                          multiple=_PROMPT_WIDTH_MULTIPLE)
+  padded, lengths = state_lib.pad_prompts(_encode(tokenizer, texts, special_tokens),
+                                          tokenizer.pad_id, multiple=_PROMPT_WIDTH_MULTIPLE)
   # The whole request at once, so a row index is the prompt's index.
   cfg = model.cfg.trunk
   padded, lengths = request_lib.check_prompts(
@@ -241,6 +245,43 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   return results
 
 
+def _encode(tokenizer: tokenizer_lib.Tokenizer, texts: list[str], special_tokens: bool
+            ) -> list[list[int]]:
+  if special_tokens:
+    return [tokenizer.encode(t, special=True) for t in texts]
+  return tokenizer.encode_batch(texts)
+
+
+def chat(loaded_or_workdir: LoadedModel | str | os.PathLike, messages: Sequence[dict], *,
+         max_new_tokens: int, **options) -> Generation:
+  """The model's reply to a conversation, through its own chat template.
+
+  The template (Jinja, Hugging Face conventions, kept from the imported model) renders
+  `messages` ([{'role': ..., 'content': ...}]) with the prompt of the assistant's turn, in
+  jinja2's sandbox (the `serve` extra); its markers are read as special tokens.
+
+  Args:
+    loaded_or_workdir: `mtp.load(...)`'s result, or a workdir or export directory to load.
+    messages: the conversation so far.
+    max_new_tokens, options: as for `generate`.
+
+  Raises:
+    ValueError: the model has no chat template, or the template refuses the messages.
+  """
+  from mtp.serving import chat as chat_lib  # jinja2: only conversations need it.
+  from mtp.serving import schemas
+  loaded = loaded_or_workdir
+  if not isinstance(loaded, (LoadedModel, runtime.LoadedArtifact)):
+    loaded = load(loaded_or_workdir)
+  try:
+    prompt = chat_lib.render(loaded.tokenizer, list(messages))
+  except schemas.RequestError as e:
+    raise ValueError(str(e)) from None
+  (reply,) = generate(loaded, prompt, max_new_tokens=max_new_tokens, special_tokens=True,
+                      **options)
+  return reply
+
+
 def _batches(padded: np.ndarray, lengths: np.ndarray, batch_size: int) -> list[tuple]:
   """(prompt indices, tokens [batch_size, P], lengths [batch_size]) per batch, in order; a
   short last batch repeats its last prompt, so every batch has one shape."""
@@ -255,14 +296,15 @@ def _batches(padded: np.ndarray, lengths: np.ndarray, batch_size: int) -> list[t
 def _generate_exported(artifact: runtime.LoadedArtifact, texts: list[str], *,
                        max_new_tokens: int, decoder: str, temperature: float, top_k: int,
                        top_p: float, seed: int, tree, lookup: int, batch_size: int,
-                       on_text: TextCallback | None) -> list[Generation]:
+                       on_text: TextCallback | None, special_tokens: bool
+                       ) -> list[Generation]:
   """`generate` on a jax_export artifact: the same checks, batches, seeds and results.
 
   The whole loop is one call, so `on_text` gets each prompt's whole text at its end.
   """
   tokenizer = artifact.tokenizer
-  padded, lengths = state_lib.pad_prompts(tokenizer.encode_batch(texts), tokenizer.pad_id,
-                                          multiple=_PROMPT_WIDTH_MULTIPLE)
+  padded, lengths = state_lib.pad_prompts(_encode(tokenizer, texts, special_tokens),
+                                          tokenizer.pad_id, multiple=_PROMPT_WIDTH_MULTIPLE)
   padded, lengths = request_lib.check_prompts(
       padded, lengths, max_new_tokens=max_new_tokens, vocab_size=artifact.vocab_size,
       max_seq_len=artifact.max_seq_len, eos_id=tokenizer.eos_id)

@@ -178,3 +178,24 @@ def test_a_malformed_accuracy_cache_is_named_and_measured_again(workdir, tmp_pat
   np.testing.assert_array_equal(mtp.api.head_accuracies(loaded), measured)
   assert calls == [1]  # Read back from the rewritten cache.
   assert [p.name for p in tmp_path.iterdir()] == [path.name]  # No temporary left behind.
+
+
+def test_chat_renders_the_template_and_reads_its_markers_as_special_ids(workdir):
+  import dataclasses
+  from mtp.data import tokenizer as tokenizer_lib
+  loaded = mtp.load(workdir)
+  with pytest.raises(ValueError, match='no chat template'):
+    mtp.chat(loaded, [{'role': 'user', 'content': 'hi'}], max_new_tokens=4)
+  template = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+  tokenizer = tokenizer_lib.Tokenizer(loaded.tokenizer.hf_tokenizer,
+                                      loaded.tokenizer.special_ids, chat_template=template)
+  chatty = dataclasses.replace(loaded, tokenizer=tokenizer)
+  reply = mtp.chat(chatty, [{'role': 'user', 'content': 'def f(x):'}], max_new_tokens=6,
+                   decoder='autoregressive')
+  rendered = '<bos>user: def f(x):\n'
+  assert reply.prompt == rendered
+  # The marker is one special id, not five bytes of text.
+  assert reply.num_prompt_tokens == len(tokenizer.encode(rendered)) - 4
+  (same,) = mtp.generate(chatty, rendered, max_new_tokens=6, decoder='autoregressive',
+                         special_tokens=True)
+  assert reply.tokens == same.tokens
