@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from absl import app
 from absl import flags
-from absl import logging
 
 import launch
 from launch import cli
@@ -60,7 +59,7 @@ def main(argv):
         model_name=FLAGS.model_name, default_max_tokens=FLAGS.default_max_tokens,
         decoder=FLAGS.decoder, warmup=[(d, n) for d in names for n in warmup_tokens])
     sock = server.free_socket(FLAGS.host, FLAGS.port)
-  logging.info('serving %s on http://%s:%d', FLAGS.workdir, FLAGS.host, FLAGS.port)
+  # The bound port, which --port=0 leaves to the system: scripts read this line.
   print(f'{PROGRAM}: serving {FLAGS.workdir} as {FLAGS.model_name!r} on '
         f'http://{FLAGS.host}:{sock.getsockname()[1]}', flush=True)
   try:

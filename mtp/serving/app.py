@@ -74,8 +74,11 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
   @app.get('/v1/models')
   async def models():
     metrics.request('/v1/models', 200)
+    # `mtp` (non-standard): the decoders a request may name, for the page and scripts.
     return {'object': 'list', 'data': [{'id': model_name, 'object': 'model',
-                                        'created': created, 'owned_by': 'mtp'}]}
+                                        'created': created, 'owned_by': 'mtp',
+                                        'mtp': {'decoders': list(decoders),
+                                                'default_decoder': default_decoder}}]}
 
   @app.get('/')
   async def index():

@@ -37,6 +37,7 @@ def test_health_models_and_placeholder_page(served):
   assert health['status'] == 'ok'
   models = httpx.get(url + '/v1/models').json()
   assert [m['id'] for m in models['data']] == ['mtp']
+  assert models['data'][0]['mtp']['decoders'] == ['speculative', 'autoregressive']
   page = httpx.get(url + '/')
   assert page.status_code == 200 and 'text/html' in page.headers['content-type']
 

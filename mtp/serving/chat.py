@@ -60,23 +60,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
   `Tokenizer.encode(text)` spells special-token text out as plain text (user text must not
   forge them); a chat template writes them on purpose (SmolLM2's `<|im_start|>`), and Hugging
-  Face encodes them as their ids. `Tokenizer.encode(text, special=True)` does that where the
-  tokenizer offers it; otherwise a second parser with special tokens on (never the shared one:
-  flipping its flag would race with encodes on other threads).
+  Face encodes them as their ids, as this does. As there, a marker typed inside a message
+  becomes a marker too.
   """
-  try:
-    return tokenizer.encode(text, special=True)
-  except TypeError:  # An older Tokenizer without `special`.
-    pass
-  if tokenizer.kind == 'byte':
-    return tokenizer.encode(text)
-  parser = _special_parser(tokenizer.hf_tokenizer.to_str())
-  return parser.encode(text, add_special_tokens=False).ids
-
-
-@functools.lru_cache(maxsize=2)
-def _special_parser(tokenizer_json: str):
-  import tokenizers
-  parser = tokenizers.Tokenizer.from_str(tokenizer_json)
-  parser.encode_special_tokens = False
-  return parser
+  return tokenizer.encode(text, special=True)
