@@ -36,19 +36,22 @@ def learning_curves(records: Sequence[Mapping], num_heads: int, title: str):
   """Loss and top-1 accuracy per step: the next token and each head (train), and validation.
 
   Args:
-    records: `metrics.jsonl` records (training ones hold `loss`, evaluation ones `eval_*`).
+    records: `metrics.jsonl` records (training ones hold `loss`, evaluation ones `eval_*`);
+      series they lack (the next token's, when the trunk was frozen) are left out.
     num_heads: K, the heads to draw (`head_k_loss`, `head_k_acc`, k = 1..K).
     title: the figure's title.
   """
   plt = _pyplot()
   train = [r for r in records if 'loss' in r]
-  evals = [r for r in records if 'eval_ntp_loss' in r]
+  evals = [r for r in records if any(k.startswith('eval_') for k in r)]
   fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
   steps = [r['step'] for r in train]
   colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
   series = [('ntp', 'next token (t+1)')] + [(f'head_{k}', f'head {k} (t+{k + 1})')
                                              for k in range(1, num_heads + 1)]
   for i, (key, label) in enumerate(series):
+    if f'{key}_loss' not in train[0]:
+      continue  # A frozen trunk logs no next-token loss: only its heads learn.
     color = colors[i % len(colors)]
     ax_loss.plot(steps, [r[f'{key}_loss'] for r in train], color=color, label=label)
     ax_acc.plot(steps, [r[f'{key}_acc'] for r in train], color=color, label=label)

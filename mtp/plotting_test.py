@@ -27,6 +27,14 @@ def test_learning_curves_draw_every_head_and_validation():
   assert 'nats' in loss.get_ylabel() and fig._suptitle.get_text() == 'tiny on CPU'
 
 
+def test_learning_curves_of_heads_on_a_frozen_trunk_leave_the_next_token_out():
+  records = [{k: v for k, v in r.items() if 'ntp' not in k} for r in _records(2)]
+  fig = plotting.learning_curves(records, 2, 'heads')
+  labels = [line.get_label() for line in fig.axes[0].lines]
+  assert labels[::2] == ['head 1 (t+2)', 'head 2 (t+3)']  # Each with its validation dots.
+  assert len(labels) == 4
+
+
 def test_accepted_histogram_marks_the_mean():
   fig = plotting.accepted_histogram([3, 5, 3, 2], 'x')
   (ax,) = fig.axes

@@ -265,20 +265,9 @@ class Tokenizer:
     if not path.is_file():
       raise FileNotFoundError(f'No tokenizer file at {path}.')
     specials = path.with_name(SPECIAL_IDS_FILENAME)
-    special_ids = None
-    if specials.is_file():
-      try:
-        text = specials.read_text(encoding='utf-8')
-      except UnicodeDecodeError as e:
-        raise ValueError(f'{specials} is not UTF-8 text ({e}).') from e
-      special_ids = SpecialIds.from_json(text, specials)
-    template = path.with_name(CHAT_TEMPLATE_FILENAME)
-    chat_template = None
-    if template.is_file():
-      try:
-        chat_template = template.read_text(encoding='utf-8')
-      except UnicodeDecodeError as e:
-        raise ValueError(f'{template} is not UTF-8 text ({e}).') from e
+    text = _read_optional(specials)
+    special_ids = None if text is None else SpecialIds.from_json(text, specials)
+    chat_template = _read_optional(path.with_name(CHAT_TEMPLATE_FILENAME))
     try:
       hf_tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # pylint: disable=broad-except  # The Rust side raises bare Exception.
@@ -290,6 +279,16 @@ class Tokenizer:
 
   def __repr__(self) -> str:
     return f'Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})'
+
+
+def _read_optional(path: pathlib.Path) -> str | None:
+  """The text of a file beside the tokenizer, None if there is none."""
+  if not path.is_file():
+    return None
+  try:
+    return path.read_text(encoding='utf-8')
+  except UnicodeDecodeError as e:
+    raise ValueError(f'{path} is not UTF-8 text ({e}).') from e
 
 
 def _write_atomically(path: pathlib.Path, text: str) -> None:
