@@ -7,6 +7,7 @@ model, so any caller can plot what it measured.
 
 from __future__ import annotations
 
+import textwrap
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -19,6 +20,10 @@ def _pyplot():
   # matplotlib falls back to Agg by itself.
   import matplotlib.pyplot as plt
   return plt
+
+
+def _wrapped(title: str, width: int) -> str:
+  return '\n'.join(textwrap.wrap(title, width)) if title else title
 
 
 def hardware() -> str:
@@ -63,13 +68,14 @@ def learning_curves(records: Sequence[Mapping], num_heads: int, title: str):
                   markersize=4)
   ax_loss.set(xlabel='training step', ylabel='cross-entropy (nats/token)',
               title='Loss (lines: train, dots: validation)')
-  ax_acc.set(xlabel='training step', ylabel='top-1 accuracy', ylim=(0, 1),
+  ax_acc.set(xlabel='training step', ylabel='top-1 accuracy',
              title='Accuracy (lines: train, dots: validation)')
+  ax_acc.set_ylim(0, min(1.0, 1.15 * max(y for line in ax_acc.lines for y in line.get_ydata())))
   ax_loss.legend(fontsize=8)
   ax_acc.legend(fontsize=8)
   for ax in (ax_loss, ax_acc):
     ax.grid(alpha=0.3)
-  fig.suptitle(title)
+  fig.suptitle(_wrapped(title, 110))
   fig.tight_layout()
   return fig
 
@@ -91,7 +97,7 @@ def accepted_histogram(histogram: Sequence[int], title: str):
   ax.bar(sizes, counts / total, color='#4c72b0')
   ax.axvline(mean, color='#c44e52', linestyle='--', label=f'mean {mean:.2f} tokens per step')
   ax.set(xlabel='tokens emitted in one verification step', ylabel='fraction of steps',
-         xticks=sizes, title=title)
+         xticks=sizes, title=_wrapped(title, 60))
   ax.legend()
   ax.grid(axis='y', alpha=0.3)
   fig.tight_layout()
@@ -126,7 +132,7 @@ def speed_bars(names: Sequence[str], tokens_per_sec: Sequence[float],
     ax.set_xticks(x, names, rotation=15)
     ax.set_ylim(0, max(values) * 1.25 if len(values) else 1)
     ax.grid(axis='y', alpha=0.3)
-  fig.suptitle(title)
+  fig.suptitle(_wrapped(title, 110))
   fig.tight_layout()
   return fig
 
@@ -184,7 +190,7 @@ def tree_picture(tree: trees_lib.Tree, title: str, accuracies: np.ndarray | None
   for side in ('top', 'right', 'bottom'):
     ax.spines[side].set_visible(False)
   shading = '\nshade: probability that the path is accepted' if accuracies is not None else ''
-  ax.set_title(f'{title}\n{n - 1} draft nodes; label: the head\'s candidate rank (L: lookup)'
+  ax.set_title(f'{_wrapped(title, 70)}\n{n - 1} draft nodes; label: the head\'s candidate rank (L: lookup)'
                f'{shading}', fontsize=10)
   fig.tight_layout()
   return fig
