@@ -51,6 +51,10 @@ def main(argv):
     import mtp
     from mtp.serving import server
     loaded = mtp.load(FLAGS.workdir)
+    if not isinstance(loaded, mtp.LoadedModel):
+      raise ValueError(f'{FLAGS.workdir} is a jax_export artifact: it runs a whole decode per '
+                       'call and cannot join continuous batches; serve the training workdir '
+                       'or a params export')
     names = [d for d in decoders.NAMES
              if loaded.model.cfg.mtp_num_heads or not decoders.get(d).drafts]
     application, batcher = server.build(

@@ -72,3 +72,13 @@ def test_bad_flag_is_one_line_and_exit_code_2(workdir):
                         '--max_batch=many'], env=_env(), capture_output=True, text=True)
   assert run.returncode == 2
   assert run.stderr.strip().startswith('launch.serve:')
+
+
+def test_a_jax_export_artifact_is_refused_by_name(workdir, tmp_path):
+  from mtp.export import writer
+  artifact = tmp_path / 'artifact'
+  writer.export(workdir, 'jax_export', artifact, max_new_tokens=4)
+  run = subprocess.run([sys.executable, '-m', 'launch.serve', f'--workdir={artifact}'],
+                       env=_env(), capture_output=True, text=True, timeout=300)
+  assert run.returncode == 1
+  assert 'jax_export artifact' in run.stderr and 'Traceback' not in run.stderr
