@@ -54,8 +54,9 @@ if ROOT is None and IN_COLAB:
     jax_build = ['jax[cuda12]']
   else:
     jax_build = []
-  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-e',
-                  f'{ROOT}[bench,peer,serve]', *jax_build], check=True)
+  # Colab's own torch serves transformers here (the `peer` extra pins a CPU build).
+  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-e', f'{ROOT}[bench,serve]',
+                  'transformers>=5', *jax_build], check=True)
 if ROOT is None:
   raise RuntimeError('Open this notebook from a checkout of mtp, or on Colab.')
 os.chdir(ROOT)  # configs/ and results/ are relative to the checkout.
