@@ -73,35 +73,22 @@ print(f'checkout: {ROOT}  fast mode: {FAST}')
 #
 # `configs/code_small.py` is the README demo's model: 4 layers of width 256, a 4,096-token BPE
 # vocabulary trained on the corpus, and four Medusa heads (one residual block each) trained
-# jointly with the trunk. On an accelerator the run is longer and the batch larger; in fast mode
-# (CI) everything shrinks.
+# jointly with the trunk. `configs/quickstart.py` sizes its run for the backend: 300 steps on a
+# CPU, 1,500 at a larger batch on an accelerator, and a tiny model in fast mode (CI).
 
 # %%
 import jax
 import matplotlib.pyplot as plt
 
 import launch
-from configs import code_small
+from configs import quickstart
 from mtp import plotting
 
 launch.quiet_library_logs()
 
 BACKEND = jax.default_backend()
-config = code_small.get_config()
-config.progress_bar = False
-if FAST:
-  config.model.num_layers, config.model.embed_dim, config.model.mlp_dim = 2, 128, 384
-  config.model.vocab_size = 1024
-  config.data.seq_len, config.data.max_corpus_bytes = 128, 1_500_000
-  config.num_train_steps, config.log_every_steps = 40, 5
-  config.eval_every_steps = config.checkpoint_every_steps = 20
-  config.eval_steps = 2
-elif BACKEND == 'cpu':
-  config.num_train_steps = 300
-  config.eval_every_steps = config.checkpoint_every_steps = 100
-else:
-  config.num_train_steps, config.data.batch_size = 1500, 32
-  config.eval_every_steps = config.checkpoint_every_steps = 500
+SIZE = 'fast' if FAST else 'cpu' if BACKEND == 'cpu' else 'accelerator'
+config = quickstart.get_config(SIZE)
 WORKDIR = WORKDIRS / f'notebook_quickstart_{"fast" if FAST else BACKEND}'
 NUM_HEADS = config.model.mtp_num_heads
 MODEL = (f'{config.model.num_layers}-layer d{config.model.embed_dim} model, '
@@ -114,7 +101,7 @@ print(f'{MODEL}; {config.num_train_steps} steps of {config.data.batch_size} x '
 # ## Train
 # Checkpoints, `config.json`, the tokenizer and `metrics.jsonl` go to the workdir. Running the
 # cell again resumes where it stopped (and does nothing once training is done). The same run
-# from a terminal: `python -m launch.train --config=configs/code_small.py --workdir=...`.
+# from a terminal: `python -m launch.train --config=configs/quickstart.py:cpu --workdir=...`.
 
 # %%
 import time

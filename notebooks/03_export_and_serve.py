@@ -68,32 +68,24 @@ print(f'checkout: {ROOT}  fast mode: {FAST}')
 
 # %% [markdown]
 # ## A model to ship
-# The quickstart notebook's model when it has been trained here; otherwise a short run of the
-# same recipe (a 4-layer code model with four Medusa heads, trained on the standard library).
+# The quickstart notebook's model when it has been trained here; otherwise the same run
+# (`configs/quickstart.py`: a 4-layer code model with four Medusa heads, trained on the
+# standard library).
 
 # %%
 import jax
 
 import launch
 import mtp
-from configs import code_small
+from configs import quickstart
 from mtp.train import trainer
 
 launch.quiet_library_logs()
 BACKEND = jax.default_backend()
+SIZE = 'fast' if FAST else 'cpu' if BACKEND == 'cpu' else 'accelerator'
 SOURCE = WORKDIRS / f'notebook_quickstart_{"fast" if FAST else BACKEND}'
 if not (SOURCE / 'checkpoints').exists():
-  config = code_small.get_config()
-  config.progress_bar = False
-  if FAST:
-    config.model.num_layers, config.model.embed_dim, config.model.mlp_dim = 2, 128, 384
-    config.model.vocab_size = 1024
-    config.data.seq_len, config.data.max_corpus_bytes = 128, 1_500_000
-    config.num_train_steps = config.checkpoint_every_steps = 40
-    config.eval_every_steps, config.eval_steps = 40, 2
-  else:
-    config.num_train_steps = 300
-  trainer.train_and_evaluate(config, SOURCE)
+  trainer.train_and_evaluate(quickstart.get_config(SIZE), SOURCE)
 loaded = mtp.load(SOURCE)
 print(f'{SOURCE.name}: step {loaded.step}, {loaded.model.cfg.mtp_num_heads} '
       f'{loaded.config.model.mtp_head_type} heads')

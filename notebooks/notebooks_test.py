@@ -62,3 +62,14 @@ def test_executes_in_fast_mode(name, tmp_path, monkeypatch):
   images = [o for cell in executed['cells'] if cell['cell_type'] == 'code'
             for o in cell.get('outputs', []) if 'image/png' in o.get('data', {})]
   assert images, f'{name} drew no picture'
+
+
+@pytest.mark.parametrize('size', ['fast', 'cpu', 'accelerator'])
+def test_the_quickstart_config_of_each_size_is_valid(size):
+  from configs import quickstart
+  from mtp.train import config_checks
+  config = quickstart.get_config(size)
+  config.mesh.data = 1
+  config_checks.validate_config(config, num_devices=1)
+  with pytest.raises(ValueError, match='takes one of'):
+    quickstart.get_config('huge')
