@@ -57,17 +57,8 @@ _ARTIFACT_FLAGS = ('max_new_tokens', 'tree', 'lookup', 'temperature', 'top_k', '
 
 
 def parse_tree(value: str | None):
-  """--tree: None, 'chain', 'default' or JSON choices."""
-  if value is None or value in ('chain', 'default'):
-    return value
-  try:
-    choices = json.loads(value)
-  except json.JSONDecodeError:
-    raise ValueError(f'--tree must be chain, default or JSON choices like "[[0], [1], [0, 0]]", '
-                     f'got {value!r}') from None
-  if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
-    raise ValueError(f'--tree choices must be a JSON list of lists of ranks, got {value!r}')
-  return [tuple(c) for c in choices]
+  """--tree: None, a name (chain, default) or JSON choices."""
+  return cli.parse_tree(value, ('chain', 'default'))
 
 
 def options() -> dict:

@@ -85,17 +85,8 @@ def read_prompt_file(path: str | pathlib.Path) -> list[str]:
 
 
 def parse_tree(value: str | None):
-  """--tree: None, a name ('chain', 'default', 'auto') or JSON choices."""
-  if value is None or value in ('chain', 'default', 'auto'):
-    return value
-  try:
-    choices = json.loads(value)
-  except json.JSONDecodeError:
-    raise ValueError(f'--tree must be chain, default, auto or JSON choices like '
-                     f'"[[0], [1], [0, 0]]", got {value!r}') from None
-  if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
-    raise ValueError(f'--tree choices must be a JSON list of lists of ranks, got {value!r}')
-  return [tuple(c) for c in choices]
+  """--tree: None, a name (chain, default, auto) or JSON choices."""
+  return cli.parse_tree(value, ('chain', 'default', 'auto'))
 
 
 class OutputFile:
