@@ -1,0 +1,65 @@
+"""A run saved on a 2x2x2 (data x fsdp x tensor) mesh resumes on other meshes, its losses
+continuing those of the uninterrupted run to float tolerance.
+
+The one-device resume uses a mesh over the first of the 8 simulated devices (`make_mesh` with
+a 1x1x1 mesh): its arrays then live on one device, as in a one-device process, without starting
+a second JAX process (a subprocess would pay JAX's start and every compile again).
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from mtp.checkpoint import checkpointing
+from mtp.train import testing as train_testing
+from mtp.train import trainer as trainer_lib
+from mtp.train import writers
+
+SAVED_MESH = dict(data=2, fsdp=2, tensor=2)
+NUM_STEPS = 4
+RESUMED_FROM = 2
+# Per-step losses of the tiny model (about 5.6) after a restore onto another mesh differ from
+# the uninterrupted run's only by the order of float32 reductions.
+LOSS_RTOL = 1e-5
+
+
+def _config(mesh):
+  config = train_testing.tiny_config(**{
+      'num_train_steps': NUM_STEPS, 'log_every_steps': 1, 'checkpoint_every_steps': RESUMED_FROM,
+      'keep_checkpoints': 3, 'eval_steps': 0})
+  for axis, size in mesh.items():
+    config.mesh[axis] = size
+  return config
+
+
+def _losses(workdir):
+  return {r['step']: (r['loss'], r['ntp_loss']) for r in writers.read_metrics(workdir)
+          if 'loss' in r}
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  """A 2x2x2 run of NUM_STEPS steps with a checkpoint at RESUMED_FROM."""
+  workdir = tmp_path_factory.mktemp('saved') / 'run'
+  trainer_lib.train_and_evaluate(_config(SAVED_MESH), workdir)
+  return workdir
+
+
+@pytest.mark.parametrize('mesh', [dict(data=1, fsdp=1, tensor=1),
+                                  dict(data=1, fsdp=4, tensor=2)],
+                         ids=['one_device', 'fsdp4_tensor2'])
+def test_resume_on_another_mesh_continues_the_losses(uninterrupted, tmp_path, mesh):
+  # The workdir as a run stopped after step RESUMED_FROM left it.
+  workdir = tmp_path / 'run'
+  shutil.copytree(uninterrupted, workdir)
+  shutil.rmtree(workdir / checkpointing.CHECKPOINT_DIRNAME / str(NUM_STEPS))
+  trainer_lib.train_and_evaluate(_config(mesh), workdir)
+  expected, resumed = _losses(uninterrupted), _losses(workdir)
+  assert sorted(resumed) == list(range(1, NUM_STEPS + 1))
+  for step in range(RESUMED_FROM + 1, NUM_STEPS + 1):
+    np.testing.assert_allclose(resumed[step], expected[step], rtol=LOSS_RTOL,
+                               err_msg=f'step {step} on {mesh}')
+  # Steps before the restore are the saved run's own records, kept as they were.
+  for step in range(1, RESUMED_FROM + 1):
+    assert resumed[step] == expected[step]
