@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mtp.checkpoint import checkpointing
+from mtp.parallel import mesh as mesh_lib
 from mtp.train import testing as train_testing
 from mtp.train import trainer as trainer_lib
 from mtp.train import writers
@@ -63,3 +64,17 @@ def test_resume_on_another_mesh_continues_the_losses(uninterrupted, tmp_path, me
   # Steps before the restore are the saved run's own records, kept as they were.
   for step in range(1, RESUMED_FROM + 1):
     assert resumed[step] == expected[step]
+
+
+@pytest.mark.parametrize('mesh,batch_size,message', [
+    (dict(data=3, fsdp=1, tensor=1), 8, r'data=3 x fsdp=1 x tensor=1 \(3 devices\) does not '
+                                        r'divide the 8 devices'),
+    (dict(data=1, fsdp=4, tensor=2), 6, r'data.batch_size \(6\) does not divide over the mesh'),
+])
+def test_a_mesh_that_does_not_fit_is_named_before_anything_runs(tmp_path, mesh, batch_size,
+                                                                 message):
+  config = _config(mesh)
+  config.data.batch_size = batch_size
+  with pytest.raises(mesh_lib.MeshError, match=message):
+    trainer_lib.train_and_evaluate(config, tmp_path / 'run')
+  assert not (tmp_path / 'run').exists()

@@ -32,27 +32,63 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
+class MeshError(ValueError):
+  """A mesh that does not fit the devices, or a batch that does not fit the mesh."""
+
+
+def _describe(sizes: Sequence[int]) -> str:
+  return ' x '.join(f'{axis}={size}' for axis, size in zip(MESH_AXES, sizes))
+
+
 def resolve_mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
   """Sizes of (data, fsdp, tensor); one entry may be -1 for the devices left over.
 
-  Fixed sizes whose product is below `num_devices` use only the first devices.
+  Fixed sizes whose product divides `num_devices` but is below it use only the first devices
+  (a one-device mesh on a larger host, say).
+
+  Raises:
+    MeshError: the sizes are invalid, or their product does not divide `num_devices` (the
+      message names the mesh, the device count and the fix).
   """
   sizes = [int(mesh_config[axis]) for axis in MESH_AXES]
   if sum(s == -1 for s in sizes) > 1:
-    raise ValueError(f'At most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}.')
+    raise MeshError(f'Mesh {_describe(sizes)}: at most one axis may be -1 (the devices left '
+                    'over); give the others fixed sizes.')
   if any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(f'Mesh axis sizes must be positive or -1, got '
-                     f'{dict(zip(MESH_AXES, sizes))}.')
+    raise MeshError(f'Mesh {_describe(sizes)}: axis sizes must be positive, or -1 for the '
+                    'devices left over.')
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise ValueError(f'{num_devices} devices cannot be split into a mesh with fixed axes '
-                       f'{dict(zip(MESH_AXES, sizes))}.')
+      raise MeshError(
+          f'Mesh {_describe(sizes)} does not divide the {num_devices} devices: its fixed axes '
+          f'span {known} devices, which does not divide {num_devices}. Make the product of the '
+          f'fixed axes a divisor of {num_devices} (--config.mesh.AXIS=N).')
     sizes[sizes.index(-1)] = num_devices // known
-  if math.prod(sizes) > num_devices:
-    raise ValueError(f'Mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, '
-                     f'but {num_devices} are available.')
+  total = math.prod(sizes)
+  if total > num_devices:
+    raise MeshError(
+        f'Mesh {_describe(sizes)} needs {total} devices, but {num_devices} are available. '
+        f'Choose sizes whose product divides {num_devices}, or set one axis to -1 '
+        '(--config.mesh.data=-1) to use the devices there are.')
+  if num_devices % total:
+    raise MeshError(
+        f'Mesh {_describe(sizes)} ({total} devices) does not divide the {num_devices} devices. '
+        f'Choose sizes whose product divides {num_devices}, or set one axis to -1 '
+        '(--config.mesh.data=-1) to use all of them.')
   return tuple(sizes)
+
+
+def check_batch_fits(batch_size: int, mesh_shape: Sequence[int]) -> None:
+  """Raises MeshError unless the global batch splits evenly over the batch axes of a mesh of
+  `mesh_shape` (data, fsdp, tensor)."""
+  shape = dict(zip(MESH_AXES, mesh_shape))
+  shards = math.prod(shape[axis] for axis in BATCH_AXES)
+  if batch_size % shards:
+    raise MeshError(
+        f'data.batch_size ({batch_size}) does not divide over the mesh '
+        f'{_describe(mesh_shape)}: its rows are split over data x fsdp = {shards} shards. Make '
+        f'the batch size a multiple of {shards}, or change mesh.data / mesh.fsdp.')
 
 
 def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:

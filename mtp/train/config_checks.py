@@ -48,11 +48,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   if config.data.tokenizer not in ('bpe', 'byte'):
     raise ValueError(f"data.tokenizer must be 'bpe' or 'byte', got {config.data.tokenizer!r}.")
   if num_devices is not None:
-    shape = dict(zip(mesh_lib.MESH_AXES, mesh_lib.resolve_mesh_shape(config.mesh, num_devices)))
-    shards = shape['data'] * shape['fsdp']
-    if config.data.batch_size % shards:
-      raise ValueError(f'data.batch_size ({config.data.batch_size}) must be divisible by the '
-                       f'mesh\'s data x fsdp size ({shards}).')
+    mesh_lib.check_batch_fits(config.data.batch_size,
+                              mesh_lib.resolve_mesh_shape(config.mesh, num_devices))
 
 
 def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:

@@ -176,7 +176,7 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_named(tmp_path):
     ({'model.mtp_num_heads': -2}, 'mtp_num_heads must be >= 0'),
     ({'data.seq_len': 512}, r'exceeds the model\'s maximum sequence length'),
     ({'optim.mode': 'medusa3'}, "Unknown optim.mode 'medusa3'"),
-    ({'data.batch_size': 6, 'mesh.data': 4}, 'divisible by the mesh'),
+    ({'data.batch_size': 6, 'mesh.data': 4}, 'does not divide over the mesh'),
     ({'mtp_loss_scaling_factor': -1.0}, 'mtp_loss_scaling_factor'),
     ({'keep_checkpoints': 0}, 'keep_checkpoints must be at least 1, got 0'),
     ({'keep_checkpoints': -1}, 'keep_checkpoints must be at least 1, got -1'),
