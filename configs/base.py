@@ -73,9 +73,16 @@ def get_config() -> ml_collections.ConfigDict:
   # 'sequential'. A family's own options are model keys too:
   c.model.mtp_head_type = 'medusa'
   c.model.medusa_num_layers = 1    # medusa: ResBlocks per head
-  # Recompute activations in the backward pass: 'none' | 'heads' | 'full'. XLA's CPU scheduler
-  # hoists the recomputation, so this saves no memory there (measured); meant for accelerators.
+  # Recompute activations in the backward pass: 'none' | 'heads' (the heads' layers) | 'full'
+  # (trunk blocks too) | 'dots_saveable' (trunk blocks keep their matmul outputs, recompute the
+  # rest; heads as 'heads'). XLA's CPU scheduler may hoist the recomputation, so it can save no
+  # memory there (benchmarks/scan_compile.py measures it); meant for accelerators.
   c.model.remat = 'none'
+  # Stack the trunk's layers on a leading 'layers' axis and run them with jax.lax.scan: compile
+  # time stops growing with depth, and remat applies in the scanned body. Checkpoints keep the
+  # layout they were trained in; mtp.load, generation, export and init_from read either, and
+  # python -m launch.convert_layout converts a workdir to resume it in the other.
+  c.model.scan_layers = False
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = 'stdlib'         # 'stdlib' or a directory of text/code files

@@ -9,6 +9,11 @@ Two ways in:
 
 Parameters carry logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'norm') that
 `mtp.parallel.mesh` maps onto the device mesh.
+
+Two layouts of the layers (`scan_layers`, see `mtp.model.layout`): a list of blocks run by a Python
+loop (unrolled: every program holds L copies of the layer), or one block whose parameters carry a
+leading 'layers' axis [L, ...], run by `jax.lax.scan` (compiled once, whatever L). Both compute
+the same function of the same weights; the scanned body is where a remat policy applies.
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ from flax import nnx
 from mtp.model import kv_cache as kv_cache_lib
 
 Array = jax.Array
-REMAT_POLICIES = ('none', 'heads', 'full')
+# What the backward pass recomputes (training only): 'none'; 'heads' (the MTP heads' layers);
+# 'full' (trunk blocks too, keeping only each block's input); 'dots_saveable' (trunk blocks keep
+# their matmul outputs and recompute the rest; heads as 'heads').
+REMAT_POLICIES = ('none', 'heads', 'full', 'dots_saveable')
+# jax.checkpoint policies of the trunk's blocks per `remat` (absent: the trunk is not remat'ed).
+_TRUNK_CHECKPOINT_POLICIES = {
+    'full': None,  # Save nothing but the block's input.
+    'dots_saveable': jax.checkpoint_policies.dots_saveable,
+}
 
 
 def partitioned(init, *axes: str | None):
@@ -51,9 +64,11 @@ class TransformerConfig:
   tie_embeddings: bool = True
   dtype: str = 'float32'
   param_dtype: str = 'float32'
-  # Recompute activations in the backward pass instead of keeping them (training only):
-  # 'none', 'heads' (the MTP heads' layers), or 'full' (trunk blocks too).
+  # Recompute activations in the backward pass instead of keeping them (training only): one of
+  # REMAT_POLICIES.
   remat: str = 'none'
+  # The layers stacked on a leading 'layers' axis and run with jax.lax.scan (`mtp.model.layout`).
+  scan_layers: bool = False
 
   @classmethod
   def from_config(cls, model_config) -> 'TransformerConfig':
@@ -209,21 +224,33 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), cache
 
 
-# A block whose activations are recomputed in the backward pass (training forward only).
-_rematerialised_block = nnx.remat(lambda block, x, positions, mask: block(x, positions, mask)[0])
+def _block_output(block, x, positions, mask):
+  return block(x, positions, mask)[0]
+
+
+# Blocks whose activations are recomputed in the backward pass (training forward only): all of
+# them ('full'), or all but the matmul outputs ('dots_saveable').
+_rematerialised_blocks = {
+    'full': nnx.remat(_block_output),
+    'dots_saveable': nnx.remat(_block_output, policy=jax.checkpoint_policies.dots_saveable),
+}
 
 
 def call_block(block: 'Block', x: Array, positions: Array, mask: Array, layer_cache=None,
-               lengths=None, remat: bool = False):
-  """block(x) -> (x, layer cache); rematerialised when asked and no cache is involved."""
+               lengths=None, remat: bool | str = False):
+  """block(x) -> (x, layer cache); rematerialised when asked and no cache is involved.
+
+  `remat`: False, True (= 'full') or a key of `_TRUNK_CHECKPOINT_POLICIES`.
+  """
   if remat and layer_cache is None:
-    return _rematerialised_block(block, x, positions, mask), None
+    policy = 'full' if remat is True else remat
+    return _rematerialised_blocks[policy](block, x, positions, mask), None
   return block(x, positions, mask, layer_cache, lengths)
 
 
 def run_blocks(blocks, x: Array, positions: Array, mask: Array,
                cache: kv_cache_lib.KVCache | None, lengths: Array | None,
-               first_layer: int = 0, remat: bool = False
+               first_layer: int = 0, remat: bool | str = False
                ) -> tuple[Array, list[tuple[Array, Array]]]:
   """Runs `blocks` in order; with a cache, block i uses cache layer first_layer + i."""
   updated = []
@@ -236,6 +263,43 @@ def run_blocks(blocks, x: Array, positions: Array, mask: Array,
   return x, updated
 
 
+def stacked_blocks(cfg: TransformerConfig, *, rngs: nnx.Rngs) -> 'Block':
+  """One `Block` whose parameters are cfg.num_layers layers stacked on a leading 'layers' axis
+  (each layer drawn from its own split of `rngs`)."""
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def make(layer_rngs):
+    return Block(cfg, rngs=layer_rngs)
+  return make(rngs)
+
+
+def scan_blocks(blocks: 'Block', x: Array, positions: Array, mask: Array,
+                cache: kv_cache_lib.KVCache | None, lengths: Array | None,
+                num_layers: int, remat: str = 'none'
+                ) -> tuple[Array, list[tuple[Array, Array]] | None]:
+  """Runs stacked `blocks` (see `stacked_blocks`) with `jax.lax.scan` over their layer axis.
+
+  With a cache, layer i reads and writes cache layer i (the trunk's layers come first); the
+  updated (keys, values) come back per layer, as `run_blocks` returns them. Without one, the
+  body is rematerialised by `remat`'s policy (`_TRUNK_CHECKPOINT_POLICIES`).
+  """
+  graphdef, state = nnx.split(blocks)
+
+  def body(h, layer):
+    layer_state, layer_cache = layer
+    h, layer_cache = nnx.merge(graphdef, layer_state)(h, positions, mask, layer_cache, lengths)
+    return h, layer_cache
+
+  if cache is None:
+    if remat in _TRUNK_CHECKPOINT_POLICIES:
+      body = jax.checkpoint(body, policy=_TRUNK_CHECKPOINT_POLICIES[remat], prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, (state, None))
+    return x, None
+  stacked = (jnp.stack(cache.keys[:num_layers]), jnp.stack(cache.values[:num_layers]))
+  x, (keys, values) = jax.lax.scan(body, x, (state, stacked))
+  return x, [(keys[i], values[i]) for i in range(num_layers)]
+
+
 class Transformer(nnx.Module):
   """The trunk. `__call__` returns the last hidden state before the final norm."""
 
@@ -246,7 +310,10 @@ class Transformer(nnx.Module):
         cfg.vocab_size, cfg.embed_dim, dtype=dtype_of(cfg.dtype),
         param_dtype=dtype_of(cfg.param_dtype),
         embedding_init=partitioned(nnx.initializers.normal(0.02), 'vocab', 'embed'), rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    if cfg.scan_layers:
+      self.blocks = stacked_blocks(cfg, rngs=rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = rms_norm(cfg, rngs=rngs)
     if not cfg.tie_embeddings:
       self.output = nnx.Param(partitioned(nnx.initializers.normal(cfg.embed_dim ** -0.5),
@@ -269,9 +336,9 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       # Contract the embedding [V, D] in place: `x @ E.T` made XLA:CPU copy the transposed
       # matrix (V x D floats) on every call, which halved the speed of few-row projections.
-      return jnp.einsum('...d,vd->...v', normed,
-                        self.embedding.embedding[...].astype(dtype)).astype(jnp.float32)
-    return jnp.dot(normed, self.output[...].astype(dtype)).astype(jnp.float32)
+      return jnp.einsum('...d,vd->...v', normed, self.embedding.embedding[...].astype(dtype),
+                        preferred_element_type=jnp.float32)
+    return jnp.dot(normed, self.output[...].astype(dtype), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens: Array, positions: Array, segment_ids: Array | None = None, *,
                cache: kv_cache_lib.KVCache | None = None, lengths: Array | None = None,
@@ -293,15 +360,22 @@ class Transformer(nnx.Module):
     if cache is None:
       if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
-      x, _ = run_blocks(self.blocks, x, positions, training_mask(segment_ids), None, None,
-                        remat=self.cfg.remat == 'full')
+      x, _ = self._run_blocks(x, positions, training_mask(segment_ids), None, None)
       return x, None
     t = tokens.shape[1]
     if block_mask is None:
       block_mask = jnp.tril(jnp.ones((t, t), bool))
     mask = cached_mask(lengths, block_mask, cache.capacity)
-    x, updated = run_blocks(self.blocks, x, positions, mask, cache, lengths)
+    x, updated = self._run_blocks(x, positions, mask, cache, lengths)
     return x, replace_layers(cache, 0, updated)
+
+  def _run_blocks(self, x, positions, mask, cache, lengths):
+    """The layers in order, scanned or unrolled; remat'ed by `cfg.remat` without a cache."""
+    remat = self.cfg.remat if self.cfg.remat in _TRUNK_CHECKPOINT_POLICIES else False
+    if self.cfg.scan_layers:
+      return scan_blocks(self.blocks, x, positions, mask, cache, lengths, self.cfg.num_layers,
+                         self.cfg.remat)
+    return run_blocks(self.blocks, x, positions, mask, cache, lengths, remat=remat)
 
 
 def replace_layers(cache: kv_cache_lib.KVCache, first_layer: int,

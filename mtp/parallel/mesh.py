@@ -1,6 +1,7 @@
 """Device mesh (data, fsdp, tensor), logical-axis rules, and sharding helpers.
 
-Parameters carry logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'norm'); the
+Parameters carry logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'norm', and
+'layers' for a scanned trunk's stacked layers); the
 rules below map them onto mesh axes, MaxText-style. A dimension that the mapped mesh axes do not
 divide stays replicated rather than failing, so small test models run on any mesh.
 """
@@ -29,6 +30,8 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),
     ('norm', None),
+    ('layers', None),  # the stacked layer axis of scanned trunks (model.scan_layers): each
+                       # device holds every layer of its shard
 )
 
 
