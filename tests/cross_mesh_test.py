@@ -1,18 +1,22 @@
 """A run saved on a 2x2x2 (data x fsdp x tensor) mesh resumes on other meshes, its losses
-continuing those of the uninterrupted run to float tolerance.
+continuing those of the uninterrupted run to float tolerance; the optimizer state is sharded
+as the parameters; a mesh or batch that does not fit the devices is named before anything runs.
 
 The one-device resume uses a mesh over the first of the 8 simulated devices (`make_mesh` with
 a 1x1x1 mesh): its arrays then live on one device, as in a one-device process, without starting
 a second JAX process (a subprocess would pay JAX's start and every compile again).
 """
 
+import math
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
 from mtp.checkpoint import checkpointing
 from mtp.parallel import mesh as mesh_lib
+from mtp.train import step as step_lib
 from mtp.train import testing as train_testing
 from mtp.train import trainer as trainer_lib
 from mtp.train import writers
@@ -78,3 +82,18 @@ def test_a_mesh_that_does_not_fit_is_named_before_anything_runs(tmp_path, mesh, 
   with pytest.raises(mesh_lib.MeshError, match=message):
     trainer_lib.train_and_evaluate(config, tmp_path / 'run')
   assert not (tmp_path / 'run').exists()
+
+
+def test_optimizer_state_is_sharded_as_the_parameters():
+  mesh = dict(data=1, fsdp=4, tensor=2)
+  trainer = step_lib.Trainer(_config(mesh), mesh_lib.make_mesh(mesh))
+
+  def bytes_per_device(tree, shardings):
+    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+               for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+  state, shardings = trainer.abstract_state, trainer.state_shardings
+  params = bytes_per_device(state.params, shardings.params)
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+  assert params < total / 2  # The parameters are sharded...
+  # ... and Adam's two moments with them, not replicated on every device (scalars aside).
+  assert bytes_per_device(state.opt_state, shardings.opt_state) <= 2 * params + 1024

@@ -135,10 +135,13 @@ def logical_to_mesh_spec(logical: Sequence[str | None], shape: Sequence[int], me
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
-  """NamedShardings for an nnx.State (abstract or concrete) from its logical axis metadata."""
+  """NamedShardings for an nnx.State (abstract or concrete), or an optimizer state over one,
+  from its logical axis metadata."""
   specs = nnx.get_partition_spec(state)
 
   def one(spec, leaf):
+    if not hasattr(leaf, 'shape'):  # An empty node (optax's MaskedNode): no array to place.
+      return leaf
     logical = tuple(spec) if isinstance(spec, P) else ()
     logical = logical + (None,) * (len(leaf.shape) - len(logical))
     return NamedSharding(mesh, logical_to_mesh_spec(logical, leaf.shape, mesh, rules))

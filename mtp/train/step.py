@@ -90,6 +90,10 @@ class Trainer:
     self.graphdef, abstract_params = nnx.split(abstract_model)
     self.param_shardings = mesh_lib.state_shardings(abstract_params, mesh)
     self.optimizer = optim.make_optimizer(config.optim, config.num_train_steps, abstract_params)
+    # The optimizer state is sharded as the parameters it mirrors: propagation alone leaves it
+    # replicated (its zeros depend on no parameter), 2x the parameters' memory on every device.
+    self.opt_state_shardings = mesh_lib.state_shardings(
+        jax.eval_shape(self.optimizer.init, abstract_params), mesh)
     self._is_head = jax.tree.map(lambda part: part == param_tree.HEADS,
                                  param_tree.labels(abstract_params))
     self.batch_sharding = mesh_lib.batch_sharding(mesh)
@@ -100,8 +104,7 @@ class Trainer:
     self.loss_weights = loss_lib.head_weights(self.model_config.mtp_num_heads,
                                               config.mtp_head_weight_decay)
 
-    # Compiling initialisation yields the optimizer state's shardings too (propagated from the
-    # parameters') without allocating anything.
+    # Compiling initialisation yields the train state's shardings without allocating anything.
     self._init_compiled = jax.jit(self._init).lower().compile()
     self.state_shardings = self._init_compiled.output_shardings
     self.abstract_state = jax.eval_shape(self._init)
@@ -128,8 +131,9 @@ class Trainer:
     model = mtp_model.MTPModel(self.model_config, rngs=nnx.Rngs(self.config.seed))
     params = nnx.state(model)
     params = jax.lax.with_sharding_constraint(params, self.param_shardings)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.optimizer.init(params))
+    opt_state = jax.lax.with_sharding_constraint(self.optimizer.init(params),
+                                                 self.opt_state_shardings)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
   def _loss(self, params: nnx.State, batch: Batch, step: Array | None = None):
     """Training (step given) computes the heads' losses at every `mtp_head_loss_stride`-th
