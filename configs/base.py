@@ -70,9 +70,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = 'float32'
   c.model.mtp_num_heads = 4        # heads predicting t+2 .. t+1+K
   # The head family, a name registered in mtp.model.heads.FAMILIES: 'medusa' | 'parallel' |
-  # 'sequential'. A family's own options are model keys too:
+  # 'sequential' | 'eagle'. A family's own options are model keys too:
   c.model.mtp_head_type = 'medusa'
   c.model.medusa_num_layers = 1    # medusa: ResBlocks per head
+  # eagle: weight of the feature regression (smooth L1, drafter vs trunk features) added to the
+  # token loss; EAGLE's 1.0 against 0.1 for tokens is 10 here beside mtp_loss_scaling_factor 1.
+  c.model.eagle_feature_loss_weight = 1.0
+  # eagle: what depths >= 2 read in training: 'drafted' (their own predicted features, as in
+  # drafting) or 'trunk' (the trunk's: depth 1 alone is trained, EAGLE-1).
+  c.model.eagle_train_features = 'drafted'
   # Recompute activations in the backward pass: 'none' | 'heads' (the heads' layers) | 'full'
   # (trunk blocks too) | 'dots_saveable' (trunk blocks keep their matmul outputs, recompute the
   # rest; heads as 'heads'). XLA's CPU scheduler may hoist the recomputation, so it can save no

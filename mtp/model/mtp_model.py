@@ -123,6 +123,11 @@ class MTPModel(nnx.Module):
     return self.cfg.mtp_num_heads
 
   @property
+  def feature_loss_weight(self) -> float:
+    """The heads' feature-regression weight in training (`HeadFamily.feature_loss_weight`)."""
+    return self.heads.feature_loss_weight if self.heads is not None else 0.0
+
+  @property
   def num_cache_layers(self) -> int:
     """Trunk layers plus the heads' own (those of heads that attend)."""
     extra = self.heads.num_cache_layers if self.heads is not None else 0

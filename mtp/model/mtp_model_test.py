@@ -98,7 +98,7 @@ def test_family_options_come_from_the_config():
 
 
 @pytest.mark.parametrize('change,message', [
-    (dict(mtp_head_type='eagle'), "Unknown model.mtp_head_type 'eagle'"),
+    (dict(mtp_head_type='hydra'), "Unknown model.mtp_head_type 'hydra'"),
     (dict(mtp_num_heads=-1), 'mtp_num_heads must be >= 0'),
     (dict(head_options=(('medusa_num_layers', 0),)), 'medusa_num_layers must be >= 1'),
 ])

@@ -195,10 +195,45 @@ def acceptance_proxy(trunk_predictions: Array, head_predictions: Array, position
   return jnp.sum(accepted * valid_here) / jnp.maximum(jnp.sum(valid_here), 1)
 
 
+def smooth_l1(x: Array) -> Array:
+  """Elementwise smooth L1 (Huber, delta 1): 0.5 x^2 where |x| < 1, else |x| - 0.5."""
+  magnitude = jnp.abs(x)
+  return jnp.where(magnitude < 1.0, 0.5 * jnp.square(x), magnitude - 0.5)
+
+
+def feature_regression(hidden: Array, segment_ids: Array,
+                       head_mask: Array | None = None) -> Array:
+  """EAGLE's feature loss: head k's output at t against the trunk's normalised state at t+k.
+
+  The trunk's states are targets only (no gradient flows into them).
+
+  Args:
+    hidden: [K+1, B, T, D] as `mtp_loss` reads it: entry 0 the trunk's normalised state, entry
+      k head k's output (a prediction of entry 0 at t+k).
+    segment_ids: [B, T]; a target in another document (or padding) does not count.
+    head_mask: [B, T] bool, where the heads' losses may count (None: everywhere).
+
+  Returns:
+    [K] float32: per head, smooth L1 averaged over the width and the valid positions.
+  """
+  target = jax.lax.stop_gradient(hidden[0]).astype(jnp.float32)
+  losses = []
+  for k in range(1, hidden.shape[0]):
+    _, valid = shifted_labels(segment_ids, segment_ids, k)
+    if head_mask is not None:
+      valid = valid & head_mask
+    t = target.shape[1]
+    shifted = jnp.pad(target[:, k:], ((0, 0), (0, min(k, t)), (0, 0)))[:, :t]
+    per_token = jnp.mean(smooth_l1(hidden[k].astype(jnp.float32) - shifted), axis=-1)
+    losses.append(jnp.sum(per_token * valid) / jnp.maximum(jnp.sum(valid), 1))
+  return jnp.stack(losses)
+
+
 def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Array, *,
              loss_scaling_factor: float, weights: list[float], chunk_size: int,
              positions: Array | None = None, head_mask: Array | None = None,
-             trunk_is_teacher: bool = False, train_unembedding: bool = True) -> LossOutput:
+             trunk_is_teacher: bool = False, train_unembedding: bool = True,
+             feature_loss_weight: float = 0.0) -> LossOutput:
   """The joint loss of the trunk and K heads.
 
   Args:
@@ -216,10 +251,13 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
       constant: skip its output layer (no `ntp_*` metrics) and read its predictions from the
       labels for the acceptance proxy.
     train_unembedding: False when the output matrix is frozen (with the trunk).
+    feature_loss_weight: β: adds β · Σ_k w_k · `feature_regression`_k (EAGLE's feature loss;
+      0 for families whose outputs are not predicted features).
 
   Returns:
     LossOutput(total, metrics) with `ntp_loss`, `ntp_acc`, `head_k_loss`, `head_k_acc` for
-    k = 1..K, `mtp_loss` (Σ_k w_k loss_k), `acceptance_proxy` and `num_tokens`.
+    k = 1..K, `mtp_loss` (Σ_k w_k loss_k), `acceptance_proxy` and `num_tokens`; with a
+    feature loss also `head_k_feature_loss` and `feature_loss` (Σ_k w_k feature_loss_k).
   """
   num_outputs, b, t, d = hidden.shape
   num_heads = num_outputs - 1
@@ -262,5 +300,13 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
     metrics['mtp_loss'] = mtp_part
     metrics['acceptance_proxy'] = acceptance_proxy(
         predictions[0], jnp.stack(predictions[1:]), positions, valid[0], jnp.stack(valid[1:]))
+  if num_heads and feature_loss_weight:
+    features = feature_regression(hidden, segment_ids, head_mask)
+    feature_part = jnp.zeros((), jnp.float32)
+    for k in range(1, num_outputs):
+      metrics[f'head_{k}_feature_loss'] = features[k - 1]
+      feature_part = feature_part + weights[k - 1] * features[k - 1]
+    metrics['feature_loss'] = feature_part
+    total = total + feature_loss_weight * feature_part
   metrics['loss'] = total
   return LossOutput(total=total, metrics=metrics)

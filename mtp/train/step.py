@@ -155,7 +155,8 @@ class Trainer:
                             positions=positions, head_mask=batch.head_mask,
                             trunk_is_teacher=self._trunk_is_teacher
                             and batch.targets is not None,
-                            train_unembedding=self.config.optim.mode != 'frozen_trunk')
+                            train_unembedding=self.config.optim.mode != 'frozen_trunk',
+                            feature_loss_weight=model.feature_loss_weight)
     return out.total, out.metrics
 
   def _train_step(self, state: TrainState, batch: Batch):

@@ -14,13 +14,15 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
     per-token `features` pytree ([B, T, ...] arrays) the family drafts from;
   * its drafting step (`draft`): from the features along a run of accepted tokens, the draft
     logits [depth, B, V] at the run's last accepted token;
+  * an optional feature-regression loss beside the token loss (`feature_loss_weight`);
   * its serving format (`hf_export`, optional): what `mtp.export.hf` writes for it beside the
     Hugging Face Llama directory of the trunk (`HFExport`); None if it has none. Its inverse,
     `hf_import`, finds the family's heads in such a directory for `import_weights`.
 
 How to add a head family: write `mtp/model/heads/<name>.py` with one `HeadFamily` subclass that
 implements the methods above (see `medusa.py` for the smallest, `sequential.py` for one that
-drafts autoregressively with its own cache layers), then add one line to `FAMILIES` below.
+drafts autoregressively with its own cache layers, `eagle.py` for one layer rolled forward),
+then add one line to `FAMILIES` below.
 `config.model.mtp_head_type=<name>` then trains it (`MTPModel.__call__`) and drafts with it
 (`MTPModel.step` / `draft_logits`); nothing else names families. Give the module's list of
 per-head children the attribute name `layers`, so parameter paths read `heads/layers/{k}/...`.
@@ -169,6 +171,13 @@ class HeadFamily(nnx.Module):
     return 0
 
   @property
+  def feature_loss_weight(self) -> float:
+    """Weight of the feature-regression loss in training (0: none). Families whose outputs
+    predict the trunk's features (EAGLE) regress head k's output at t onto the trunk's
+    normalised state at t+k (`mtp.train.loss.feature_regression`)."""
+    return 0.0
+
+  @property
   def num_verified_cache_layers(self) -> int:
     """Of those, the layers a verification pass writes: all of them or none."""
     return self.num_cache_layers if self.RUNS_IN_VERIFICATION else 0
@@ -258,9 +267,11 @@ def layer_cache(cache: kv_cache_lib.KVCache | None, layer: int):
 
 # The registry: config name (`model.mtp_head_type`) -> family. Imported last: the family
 # modules import the protocol above.
-from mtp.model.heads import medusa, parallel, sequential  # noqa: E402  pylint: disable=C0413
+# pylint: disable-next=C0413
+from mtp.model.heads import eagle, medusa, parallel, sequential  # noqa: E402
 
 FAMILIES: dict[str, type[HeadFamily]] = {
+    'eagle': eagle.EagleDrafter,
     'medusa': medusa.MedusaHeads,
     'parallel': parallel.ParallelHeads,
     'sequential': sequential.SequentialHeads,

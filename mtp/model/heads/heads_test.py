@@ -44,12 +44,12 @@ def scaled_registered(monkeypatch):
 
 
 def test_the_registry_names_every_family():
-  assert set(heads.FAMILIES) == {'medusa', 'parallel', 'sequential'}
+  assert set(heads.FAMILIES) == {'eagle', 'medusa', 'parallel', 'sequential'}
   for family in heads.FAMILIES.values():
     assert issubclass(family, heads.HeadFamily)
-  with pytest.raises(ValueError, match="Unknown model.mtp_head_type 'eagle'; expected one of "
-                                       'medusa, parallel, sequential'):
-    heads.family('eagle')
+  with pytest.raises(ValueError, match="Unknown model.mtp_head_type 'hydra'; expected one of "
+                                       'eagle, medusa, parallel, sequential'):
+    heads.family('hydra')
 
 
 def test_a_registered_family_trains_and_drafts(scaled_registered):
