@@ -14,6 +14,8 @@ trains. Counted per global batch of B rows of T tokens:
     change either count;
   * heads (`mtp.model.heads`): medusa, K x `medusa_num_layers` D x D ResBlocks; parallel, one
     transformer layer each; sequential, a 2D -> D projection and one transformer layer each;
+    eagle, its 2D -> D projection and one shared layer run once per depth (K times, attending
+    to the earlier depths' keys too) or once (`eagle_train_features='trunk'`);
   * output layer: the shared D x V unembedding over every row that reaches the loss: B*T for the
     next token plus K*B*(T / mtp_head_loss_stride) for the heads. The fused loss computes the
     logits, the input gradient and the weight gradient of each chunk once (3x the forward), or
@@ -68,6 +70,10 @@ PEAK_TFLOPS_BY_GPU_PREFIX: Mapping[str, float] = {
 }
 
 AttentionCount = Literal['causal', 'full']
+
+
+class UnknownHeadFamily(ValueError):
+  """A head family this module has no FLOP count for."""
 
 
 def peak_tflops(device_kind: str) -> float | None:
@@ -126,7 +132,7 @@ def attention_flops(cfg: transformer.TransformerConfig, batch_size: int, seq_len
 
 def _head_forward(model_cfg: mtp_model.ModelConfig, batch_size: int, seq_len: int,
                   count: AttentionCount) -> tuple[float, float, float]:
-  """(matmul FLOPs, attention FLOPs, matmul FLOPs under remat) of the heads' forward pass."""
+  """(matmul FLOPs, attention FLOPs, FLOPs remat recomputes) of the heads' forward pass."""
   cfg, k = model_cfg.trunk, model_cfg.mtp_num_heads
   tokens = batch_size * seq_len
   if not k:
@@ -138,12 +144,24 @@ def _head_forward(model_cfg: mtp_model.ModelConfig, batch_size: int, seq_len: in
   block = block_matmul_flops(cfg, tokens)
   attention = k * attention_flops(cfg, batch_size, seq_len, count)
   if kind == 'parallel':
-    return k * block, attention, k * block
+    return k * block, attention, k * block + attention
+  projection = 2.0 * (2 * cfg.embed_dim) * cfg.embed_dim * tokens  # [2D] -> [D]
   if kind == 'sequential':
-    projection = 2.0 * (2 * cfg.embed_dim) * cfg.embed_dim * tokens
-    return k * (projection + block), attention, k * block
-  raise ValueError(f'No FLOP count for model.mtp_head_type {kind!r}; add its family to '
-                   'mtp/train/flops.py.')
+    return k * (projection + block), attention, k * block + attention
+  if kind == 'eagle':
+    if model_cfg.options['eagle_train_features'] == 'trunk':  # Depth 1 only, then shifted.
+      attention = attention_flops(cfg, batch_size, seq_len, count)
+      return projection + block, attention, block + attention
+    # Every depth runs the shared layer over all T positions. Depth d's queries attend to depth
+    # 1's keys causally and to one key of each earlier depth; the program scores them against
+    # all K*T keys of its buffer.
+    per_depth = [attention_flops(cfg, batch_size, seq_len, count) +
+                 (4.0 * batch_size * cfg.num_attention_heads * cfg.head_dim * seq_len
+                  * ((d - 1) if count == 'causal' else (k - 1) * seq_len))
+                 for d in range(1, k + 1)]
+    return k * (projection + block), sum(per_depth), 0.0  # Not rematerialised.
+  raise UnknownHeadFamily(f'No FLOP count for model.mtp_head_type {kind!r}; add its family to '
+                          'mtp/train/flops.py.')
 
 
 def train_step_flops(config: ml_collections.ConfigDict,
@@ -181,9 +199,9 @@ def train_step_flops(config: ml_collections.ConfigDict,
   output_fwd = 2.0 * cfg.embed_dim * cfg.vocab_size * output_rows
 
   remat = 0.0
-  if cfg.remat != 'none':  # Both policies recompute the heads' transformer layers.
-    remat += head_remat_fwd + head_attention_fwd
-  if cfg.remat == 'full' and trunk_passes == 3:
+  if cfg.remat != 'none':  # Every policy recomputes the heads' transformer layers whole.
+    remat += head_remat_fwd
+  if cfg.remat == 'full' and trunk_passes == 3:  # 'dots_saveable' keeps the matmuls' outputs.
     remat += trunk_fwd + trunk_attention_fwd
   return StepFlops(trunk=trunk_passes * trunk_fwd,
                    attention=trunk_passes * trunk_attention_fwd + 3 * head_attention_fwd,

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from mtp.model import heads
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import flops
 from mtp.train import step as step_lib
@@ -39,7 +40,10 @@ def _tiny(**overrides):
     # Remat recomputes the parallel heads' and the trunk's layers: XLA runs those FLOPs too.
     {'model.mtp_head_type': 'parallel', 'model.mtp_num_heads': 1, 'model.remat': 'full',
      'mtp_head_loss_stride': 4},
-], ids=['medusa', 'sequential', 'parallel-remat-stride'])
+    # Two depths: the second attends to the first's keys as well.
+    pytest.param({'model.mtp_head_type': 'eagle'}, marks=pytest.mark.skipif(
+        'eagle' not in heads.FAMILIES, reason='the eagle family is not registered')),
+], ids=['medusa', 'sequential', 'parallel-remat-stride', 'eagle'])
 def test_model_flops_match_xla_cost_analysis_within_the_elementwise_gap(overrides):
   config = _tiny(**overrides)
   counted = flops.train_step_flops(config, attention='full')
