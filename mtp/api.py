@@ -45,11 +45,16 @@ class LoadedModel:
 
 
 def load(workdir: str | os.PathLike, step: int | None = None,
-         device: jax.Device | None = None) -> LoadedModel | runtime.LoadedArtifact:
+         device: jax.Device | None = None, scan_layers: bool | None = None
+         ) -> LoadedModel | runtime.LoadedArtifact:
   """Loads the parameters of the latest (or the given) checkpoint of a training workdir.
 
   `workdir` may also be an export directory (`launch.export`): a params export loads as a
   workdir; a jax_export one as a `runtime.LoadedArtifact` (its programs, no model).
+
+  The trunk's layers load in the layout `scan_layers` asks for (default: the config's
+  `model.scan_layers`), whichever layout the checkpoint holds (`mtp.model.layout`); the returned
+  config says which.
 
   Raises:
     checkpointing.CheckpointError: the workdir, its config, tokenizer or checkpoint is missing
@@ -72,6 +77,9 @@ def load(workdir: str | os.PathLike, step: int | None = None,
   if not (workdir / tokenizer_lib.FILENAME).exists():
     raise checkpointing.CheckpointError(f'{workdir / tokenizer_lib.FILENAME} does not exist.')
   tokenizer = tokenizer_lib.Tokenizer.load(workdir)
+  if scan_layers is not None:
+    with config.unlocked():
+      config.model.scan_layers = bool(scan_layers)
   model_config = mtp_model.ModelConfig.from_config(config.model)
   abstract = nnx.eval_shape(lambda: mtp_model.MTPModel(model_config, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(abstract)

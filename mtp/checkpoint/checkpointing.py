@@ -33,6 +33,7 @@ from mtp.checkpoint import param_tree
 from mtp.data import pipeline
 from mtp.model import heads as heads_lib
 from mtp.model import mtp_model
+from mtp.model import layout
 from mtp.model import transformer
 
 CONFIG_FILENAME = 'config.json'
@@ -184,7 +185,7 @@ class Checkpointer:
       if (path / _FINGERPRINTS).exists():  # Checkpoints written before fingerprints have none.
         items[_FINGERPRINTS] = ocp.args.JsonRestore()
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    except CheckpointError:
+    except (CheckpointError, layout.LayoutMismatchError):
       raise
     except Exception as e:  # Orbax raises many types for unreadable files.
       raise CheckpointError(
@@ -221,7 +222,8 @@ def abstract_with_shardings(tree, shardings):
 
 
 def restore_params(workdir: str | os.PathLike, target: nnx.State, *, step: int | None = None,
-                   parts: Sequence[str] | None = None) -> tuple[nnx.State, int]:
+                   parts: Sequence[str] | None = None,
+                   convert_layout: bool = True) -> tuple[nnx.State, int]:
   """Restores the parameters of a workdir's checkpoint: the one place that reads them.
 
   A workdir that holds heads only (`base.json`) gives its heads; the trunk comes from the latest
@@ -246,18 +248,22 @@ def restore_params(workdir: str | os.PathLike, target: nnx.State, *, step: int |
   parts = tuple(parts or target.keys())
   base = base_reference(workdir)
   here = [p for p in parts if base is None or p != param_tree.TRUNK]
-  step, restored = _restore_parts(workdir, target, step, here)
+  step, restored = _restore_parts(workdir, target, step, here, convert_layout)
   if base is not None and param_tree.TRUNK in parts:
-    _, trunk = _restore_parts(base, target, None, [param_tree.TRUNK])
+    _, trunk = _restore_parts(base, target, None, [param_tree.TRUNK], convert_layout)
     restored = {**restored, **trunk}
   wanted = param_tree.select(target, parts)
   return jax.tree.unflatten(jax.tree.structure(wanted),
                             [restored[path] for path in _flat(wanted)]), step
 
 
+    convert_layout: a trunk saved in the other layer layout (scanned or unrolled,
+      `mtp.model.layout`) is converted into `target`'s; False raises
+      `layout.LayoutMismatchError` instead.
 def _restore_parts(workdir: pathlib.Path, target: nnx.State, step: int | None,
-                   parts: Sequence[str]) -> tuple[int, dict]:
-  """(step, {path: array}) of `parts` at `step` (default the latest) of `workdir`."""
+                   parts: Sequence[str], convert_layout: bool = True) -> tuple[int, dict]:
+  """(step, {path: array}) of `parts` at `step` (default the latest) of `workdir`, the trunk's
+  layers in `target`'s layout."""
   checkpointer = Checkpointer(workdir, read_only=True)
   try:
     steps = checkpointer.all_steps()
@@ -268,10 +274,42 @@ def _restore_parts(workdir: pathlib.Path, target: nnx.State, step: int | None,
       raise CheckpointError(f'{checkpointer.directory} has no step {step}; it has {steps}.')
     if not parts:
       return step, {}
-    params, _ = checkpointer.restore(step, param_tree.select(target, parts))
+    wanted = param_tree.select(target, parts)
+    saved_layout = _saved_layout(checkpointer.directory / str(step) / 'params')
+    wanted_layout = layout.tree_layout(layout.nest(_flat(wanted)))
+    if saved_layout is None or wanted_layout is None or saved_layout == wanted_layout:
+      params, _ = checkpointer.restore(step, wanted)
+      return step, _flat(params)
+    if not convert_layout:
+      raise layout.LayoutMismatchError(layout.mismatch_message(
+          f'The checkpoint {checkpointer.directory / str(step)}', saved_layout, wanted_layout))
+    return step, _restore_converted(checkpointer, step, wanted, wanted_layout)
   finally:
     checkpointer.close()
-  return step, _flat(params)
+
+
+def _saved_layout(directory: pathlib.Path) -> str | None:
+  """The layer layout of a saved parameter tree (None when it holds no trunk)."""
+  handler = ocp.StandardCheckpointHandler()
+  try:
+    metadata = handler.metadata(directory).tree
+  finally:
+    handler.close()
+  return layout.tree_layout(layout.nest(_flat(metadata)))
+
+
+def _restore_converted(checkpointer: Checkpointer, step: int, wanted, wanted_layout: str
+                       ) -> dict:
+  """{path: array} of `wanted`, read from a checkpoint in the other layer layout and
+  converted (stacked or unstacked), each array placed with `wanted`'s sharding."""
+  to_scanned = wanted_layout == layout.SCANNED
+  wanted_flat = _flat(wanted)
+  saved_form = layout.to_layout(layout.nest(wanted_flat), not to_scanned, layer_key=str)
+  params, _ = checkpointer.restore(step, saved_form)
+  converted = layout.flatten(layout.to_layout(layout.nest(_flat(params)), to_scanned,
+                                              layer_key=str))
+  return {path: jax.device_put(converted[path], leaf.sharding)
+          for path, leaf in wanted_flat.items()}
 
 
 def _flat(tree) -> dict[tuple[str, ...], Any]:
@@ -317,6 +355,11 @@ class _SavedTree:
       return jax.ShapeDtypeStruct(leaf.shape, want.dtype, sharding=want.sharding)
     self.item = jax.tree_util.tree_map_with_path(item, metadata)
     self._treedef = jax.tree.structure(target)
+    saved_layout = layout.tree_layout(layout.nest(saved))
+    wanted_layout = layout.tree_layout(layout.nest(wanted))
+    if saved_layout and wanted_layout and saved_layout != wanted_layout:
+      raise layout.LayoutMismatchError(layout.mismatch_message(
+          f'The checkpoint {directory}', saved_layout, wanted_layout))
     self._sources = [sources[path] for path in wanted]
 
   def unpack(self, restored):

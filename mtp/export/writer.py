@@ -113,7 +113,9 @@ def export(workdir: str | os.PathLike, format: str, output: str | os.PathLike, *
   output.parent.mkdir(parents=True, exist_ok=True)
   with workdir_lock.WorkdirLock(output):
     _check_output(output)  # Still free now that it is ours.
-    loaded = mtp.load(workdir, step=step)
+    # Every format holds per-layer weights, as serving reads them (MaxText unstacks its scanned
+    # checkpoints the same way): a scanned trunk loads unstacked.
+    loaded = mtp.load(workdir, step=step, scan_layers=False)
     loaded_at = time.perf_counter()
     # Staging siblings of exports to this output that were killed: stale, as the lock is ours.
     for stale in output.parent.glob(f'.{output.name}.exporting-*'):

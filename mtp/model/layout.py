@@ -4,10 +4,10 @@
   * scanned (`model.scan_layers=True`): one subtree whose every array has a leading layer axis
     [L, ...], `trunk/blocks/...` (what `jax.lax.scan` runs over).
 
-The conversions work on nested dicts (`nnx.to_pure_dict` trees, checkpoint metadata, optimizer
-states: any tree holding a `trunk` node with `blocks` under it, at any depth) whose leaves are
-numpy or JAX arrays or `jax.ShapeDtypeStruct`s. Layer keys may be ints or digit strings (Orbax
-names them '0', '1', ...).
+The conversions work on nested dicts and lists (`nnx.to_pure_dict` trees, checkpoint metadata,
+optimizer states: any tree holding a `trunk` node with `blocks` under it, at any depth) whose
+leaves are numpy or JAX arrays or `jax.ShapeDtypeStruct`s. Layer keys may be ints or digit
+strings (Orbax names them '0', '1', ...).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def tree_layout(tree: Mapping[Any, Any]) -> str | None:
 
 
 def _blocks_nodes(tree):
+  if isinstance(tree, (list, tuple)):
+    for child in tree:
+      yield from _blocks_nodes(child)
   if not isinstance(tree, Mapping):
     return
   trunk = tree.get(TRUNK)
@@ -134,6 +137,8 @@ def to_layout(tree: Mapping[Any, Any], scan_layers: bool, layer_key=int) -> dict
   want = layout_name(scan_layers)
 
   def convert(node):
+    if type(node) in (list, tuple):  # Optimizer states restored from their metadata.
+      return type(node)(convert(child) for child in node)
     if not isinstance(node, Mapping):
       return node
     out = {key: (convert(child) if key != TRUNK else child) for key, child in node.items()}

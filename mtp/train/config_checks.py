@@ -9,13 +9,15 @@ import pathlib
 import ml_collections
 
 from mtp.checkpoint import checkpointing
+from mtp.model import layout
 from mtp.model import mtp_model
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
 from mtp.train import optim
 
-# Model settings that change how it runs, not what its parameters are.
-RUNTIME_MODEL_KEYS = frozenset({'remat', 'dtype'})
+# Model settings that change how it runs, not what its parameters are. (`scan_layers` changes
+# their layout only: loading converts it, resuming training does not; see check_workdir_matches.)
+RUNTIME_MODEL_KEYS = frozenset({'remat', 'dtype', 'scan_layers'})
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
@@ -61,6 +63,11 @@ def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDi
   mismatched = [f'model.{k}: {saved.model[k]!r} in the workdir, {config.model[k]!r} now'
                 for k in config.model if k in saved.model and k not in RUNTIME_MODEL_KEYS and
                 _normalise(saved.model[k]) != _normalise(config.model[k])]
+  saved_scanned = bool(saved.model.get('scan_layers', False))
+  if saved_scanned != bool(config.model.get('scan_layers', False)):
+    raise layout.LayoutMismatchError(layout.mismatch_message(
+        f'The workdir {workdir}', layout.layout_name(saved_scanned),
+        layout.layout_name(not saved_scanned)))
   # The batch size too: the saved data position counts batches.
   saved_data = saved.get('data') or {}
   for key in ('tokenizer', 'seq_len', 'corpus', 'batch_size'):

@@ -1,0 +1,115 @@
+"""A workdir's checkpoint converted to the other layer layout, so that training resumes in it.
+
+Loading (`mtp.load`, generation, export, `init_from`) reads either layout by itself; resuming
+training does not (`mtp.model.layout.LayoutMismatchError`), because the optimizer state mirrors
+the parameters' layout. `convert_workdir` writes a new workdir whose latest checkpoint holds the
+parameters, the optimizer state (both with the trunk's layers stacked or unstacked by
+`layout.to_layout`) and the data position of the source's, and whose config says the new
+layout. The source is only read.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+import jax
+import orbax.checkpoint as ocp
+
+from mtp.checkpoint import checkpointing
+from mtp.model import layout
+
+_TREES = ('params', 'opt_state')
+_FINGERPRINTS = 'fingerprints'
+# Files of a workdir that carry over unchanged (the tokenizer and its companions, base.json,
+# the metrics so far, cached head accuracies).
+_CARRIED_FILES = ('tokenizer.json', 'special_tokens.json', 'chat_template.jinja',
+                  checkpointing.BASE_FILENAME, 'metrics.jsonl', 'head_accuracies.json')
+
+
+def convert_workdir(workdir: str | os.PathLike, output: str | os.PathLike,
+                    scan_layers: bool) -> int:
+  """Writes `output`: workdir's latest checkpoint with the trunk's layers in the given layout.
+
+  Returns:
+    The checkpoint's step.
+
+  Raises:
+    checkpointing.CheckpointError: no workdir, or no checkpoint in it.
+    ValueError: `output` exists, or the workdir is in that layout already.
+  """
+  workdir, output = pathlib.Path(workdir), pathlib.Path(output)
+  config = checkpointing.load_config(workdir)
+  if bool(config.model.get('scan_layers', False)) == scan_layers:
+    raise ValueError(f'{workdir} is {layout.layout_name(scan_layers)} already '
+                     f'(model.scan_layers={scan_layers}).')
+  if output.exists():
+    raise ValueError(f'{output} exists: the conversion writes a new workdir.')
+  source = checkpointing.Checkpointer(workdir, read_only=True)
+  try:
+    steps = source.all_steps()
+    if not steps:
+      raise checkpointing.CheckpointError(f'{source.directory} holds no checkpoint.')
+    step = max(steps)
+    trees = _read_trees(source, step)
+  finally:
+    source.close()
+  converted = {name: layout.to_layout(tree, scan_layers, layer_key=str)
+               for name, tree in trees.items()}
+
+  staging = output.with_name(f'.{output.name}.converting-{os.getpid()}')
+  shutil.rmtree(staging, ignore_errors=True)
+  try:
+    staging.mkdir(parents=True)
+    with config.unlocked():
+      config.model.scan_layers = scan_layers
+    checkpointing.save_config(staging, config)
+    for name in _CARRIED_FILES:
+      if (workdir / name).is_file():
+        shutil.copyfile(workdir / name, staging / name)
+    target = checkpointing.Checkpointer(staging, max_to_keep=1, async_save=False)
+    try:
+      _write_trees(target, step, converted)
+    finally:
+      target.close()
+    # The other items (the data position) do not depend on the layout: copied as they are.
+    source_step = workdir / checkpointing.CHECKPOINT_DIRNAME / str(step)
+    target_step = staging / checkpointing.CHECKPOINT_DIRNAME / str(step)
+    for item in source_step.iterdir():
+      if item.is_dir() and not (target_step / item.name).exists():
+        shutil.copytree(item, target_step / item.name)
+    os.rename(staging, output)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return step
+
+
+def _read_trees(checkpointer: checkpointing.Checkpointer, step: int) -> dict:
+  """The saved trees of `step` in their own structure (arrays on one device)."""
+  path = checkpointer.directory / str(step)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  args = {}
+  for name in _TREES:
+    if not (path / name).exists():
+      continue
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      metadata = handler.metadata(path / name).tree
+    finally:
+      handler.close()
+    args[name] = ocp.args.StandardRestore(jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), metadata))
+  # pylint: disable-next=protected-access
+  restored = checkpointer._manager.restore(step, args=ocp.args.Composite(**args))
+  return {name: restored[name] for name in args}
+
+
+def _write_trees(checkpointer: checkpointing.Checkpointer, step: int, trees: dict) -> None:
+  """Saves the trees with their fingerprints, as `Checkpointer.save` does."""
+  items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
+  # pylint: disable-next=protected-access
+  items[_FINGERPRINTS] = checkpointing._fingerprints_args(**trees)
+  # pylint: disable-next=protected-access
+  checkpointer._manager.save(step, args=ocp.args.Composite(**items), force=True)
