@@ -98,6 +98,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.seq_len = 256
   c.data.batch_size = 16           # global batch, split over the mesh's data axes
   c.data.max_corpus_bytes = -1     # cap for quick runs; -1 reads everything
+  # A dataset directory written by `python -m launch.prepare_data` (sharded, pre-tokenized,
+  # streamed: memory stays flat whatever its size). Its tokenizer becomes the workdir's, and
+  # corpus, extensions, valid_fraction, tokenizer and max_corpus_bytes above are then unused.
+  # '': the corpus above, tokenized into memory (cached under workdir/data_cache).
+  c.data.source = ''
+  c.data.prefetch = 2              # data.source: batches read ahead, one thread each
 
   c.optim = ml_collections.ConfigDict()
   c.optim.mode = 'joint'           # 'joint' | 'frozen_trunk' (Medusa-1) | 'finetune' (Medusa-2)

@@ -3,7 +3,8 @@
 Layout of a workdir:
   config.json            the full training config (written once, atomically)
   tokenizer.json         the tokenizer (written once)
-  checkpoints/<step>/    params/, opt_state/, data/ (grain iterator state), written by Orbax
+  checkpoints/<step>/    params/, opt_state/, data_position/ (global batches consumed, any
+                         process count restores it; older ones: data/, grain's), written by Orbax
                          to a temporary directory and renamed when complete, so a crash never
                          leaves a half-written checkpoint under a step's name.
 
@@ -156,7 +157,7 @@ class Checkpointer:
     items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
                  fingerprints=_fingerprints_args(params=params, opt_state=opt_state))
     if data_iterator is not None:
-      items['data'] = pipeline.iterator_checkpoint_args(data_iterator)
+      items[_DATA_POSITION] = pipeline.iterator_checkpoint_args(data_iterator)
     return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
 
   def save_params(self, step: int, params) -> bool:
@@ -180,8 +181,8 @@ class Checkpointer:
       trees = {name: _SavedTree(path / name, target) for name, target in
                (('params', params), ('opt_state', opt_state)) if target is not None}
       items = {name: ocp.args.StandardRestore(tree.item) for name, tree in trees.items()}
-      if data_iterator is not None:
-        items['data'] = pipeline.iterator_checkpoint_args(data_iterator, restore=True)
+      if data_iterator is not None and (path / _DATA_POSITION).exists():
+        items[_DATA_POSITION] = pipeline.iterator_checkpoint_args(data_iterator, restore=True)
       if (path / _FINGERPRINTS).exists():  # Checkpoints written before fingerprints have none.
         items[_FINGERPRINTS] = ocp.args.JsonRestore()
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
@@ -199,6 +200,8 @@ class Checkpointer:
             f'Checkpoint {path / name} is corrupt: {len(bad)} arrays read back other values '
             f'than were saved, such as {bad[0]} (their fingerprints differ). It was left '
             'untouched; move it away to resume from an earlier step.')
+    if data_iterator is not None:
+      data_iterator.set_state(_data_position(path, restored.get(_DATA_POSITION)))
     out = {name: tree.unpack(restored[name]) for name, tree in trees.items()}
     return out.get('params'), out.get('opt_state')
 
@@ -209,6 +212,24 @@ class Checkpointer:
 
 # The checkpoint item holding `fingerprint.fingerprints` of the saved trees.
 _FINGERPRINTS = 'fingerprints'
+# The item holding the data position (global batches consumed, written by process 0): any
+# process count restores it. Checkpoints written before it hold `data/process_{i}-of-{n}.json`
+# (grain's handler), which count the same batches.
+_DATA_POSITION = 'data_position'
+_LEGACY_DATA = 'data'
+
+
+def _data_position(path: pathlib.Path, saved) -> dict[str, int]:
+  """The data iterator state saved in checkpoint `path` (`saved`: its data_position item)."""
+  try:
+    if saved is not None:
+      return {pipeline.POSITION_KEY: pipeline.position_from_state(saved)}
+    if (path / _LEGACY_DATA).is_dir():
+      return {pipeline.POSITION_KEY: pipeline.read_legacy_position(path / _LEGACY_DATA)}
+  except ValueError as e:
+    raise CheckpointError(f'Checkpoint {path}: unreadable data position ({e}).') from e
+  raise CheckpointError(f'Checkpoint {path} holds no data position ({_DATA_POSITION}/): it '
+                        'cannot resume training (it holds parameters only?).')
 
 
 def _fingerprints_args(**trees) -> ocp.args.JsonSave:

@@ -62,7 +62,7 @@ def list_files(directory: str | pathlib.Path, extensions: Iterable[str]) -> list
   return files
 
 
-def _unit_hash(key: str) -> float:
+def unit_hash(key: str) -> float:
   """A stable pseudo-random number in [0, 1) from a string."""
   digest = hashlib.sha1(key.encode('utf-8')).digest()
   return int.from_bytes(digest[:8], 'big') / 2.0**64
@@ -78,7 +78,7 @@ def split_files(paths: Sequence[pathlib.Path], valid_fraction: float,
   if not 0.0 <= valid_fraction < 1.0:
     raise ValueError(f'valid_fraction must be in [0, 1), got {valid_fraction}.')
   root = pathlib.Path(root)
-  hashes = [_unit_hash(pathlib.Path(p).relative_to(root).as_posix()) for p in paths]
+  hashes = [unit_hash(pathlib.Path(p).relative_to(root).as_posix()) for p in paths]
   is_valid = [h < valid_fraction for h in hashes]
   if valid_fraction > 0 and len(paths) >= 2 and not any(is_valid):
     is_valid[min(range(len(paths)), key=hashes.__getitem__)] = True

@@ -13,9 +13,12 @@ Rows are made by concatenating all documents and cutting every `seq_len` tokens.
 arrays of a split are cached as `.npz` under a cache directory, keyed by the tokenizer, the
 files' paths and contents, `seq_len` and `max_corpus_bytes`; a corrupt cache file is rebuilt.
 
-The train iterator is a grain `DatasetIterator` whose state (`get_state`/`set_state`) is the
-number of global batches produced: save it beside the train state with Orbax using
-`iterator_checkpoint_args`.
+Rows come from a `RowSource`: these in-memory arrays (`ArrayRows`) or a pre-tokenized dataset
+streamed from disk (`streaming.StreamedRows`, the same rows for the same documents). The train
+iterator (`BatchIterator`) runs a grain pipeline over row indices; its position
+(`get_state`/`set_state`) is the number of global batches consumed, the same in every process,
+so a run resumes onto any process count: save it beside the train state with Orbax using
+`iterator_checkpoint_args` (a JSON item).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import logging
 import os
 import pathlib
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import grain
 import numpy as np
@@ -240,12 +243,41 @@ def load_or_build_split(data_config: Any, tokenizer: tokenizer_lib.Tokenizer, sp
   return arrays
 
 
-def _check_batching(arrays: Mapping[str, np.ndarray], global_batch_size: int,
-                    process_index: int, process_count: int, split: str) -> int:
+class RowSource(Protocol):
+  """Packed rows read by index: the in-memory arrays (`ArrayRows`) or a streamed dataset
+  (`streaming.StreamedRows`)."""
+  num_rows: int
+
+  def take(self, rows: np.ndarray) -> Arrays:
+    """Rows `rows` (int [B]) of every array: dict of [B, seq_len, ...]."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRows:
+  """Rows of in-memory arrays that share their first two dimensions [rows, seq_len]."""
+  arrays: Mapping[str, np.ndarray]
+
+  def __post_init__(self):
+    shapes = {k: np.shape(v)[:2] for k, v in self.arrays.items()}  # Features may follow.
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()), ())) != 2:
+      raise ValueError(f'Arrays must all start with one shape [rows, seq_len], got {shapes}.')
+
+  @property
+  def num_rows(self) -> int:
+    return int(np.shape(next(iter(self.arrays.values())))[0])
+
+  def take(self, rows: np.ndarray) -> Arrays:
+    return {k: np.asarray(v[rows]) for k, v in self.arrays.items()}
+
+
+def as_rows(data: Mapping[str, np.ndarray] | RowSource) -> RowSource:
+  """`data` as a RowSource (a mapping of arrays is wrapped in `ArrayRows`)."""
+  return ArrayRows(data) if isinstance(data, Mapping) else data
+
+
+def _check_batching(rows: RowSource, global_batch_size: int, process_index: int,
+                    process_count: int, split: str) -> int:
   """Validates the arguments and returns the per-process batch size."""
-  shapes = {k: np.shape(v)[:2] for k, v in arrays.items()}  # Features may follow.
-  if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()), ())) != 2:
-    raise ValueError(f'Arrays must all start with one shape [rows, seq_len], got {shapes}.')
   if global_batch_size <= 0:
     raise ValueError(f'global_batch_size must be positive, got {global_batch_size}.')
   if process_count <= 0 or not 0 <= process_index < process_count:
@@ -253,9 +285,8 @@ def _check_batching(arrays: Mapping[str, np.ndarray], global_batch_size: int,
   if global_batch_size % process_count:
     raise ValueError(f'global_batch_size={global_batch_size} is not divisible by '
                      f'process_count={process_count}.')
-  num_rows = next(iter(shapes.values()))[0]
-  if num_rows < global_batch_size:
-    raise ValueError(f'Split {split!r} has {num_rows} rows, fewer than one global batch of '
+  if rows.num_rows < global_batch_size:
+    raise ValueError(f'Split {split!r} has {rows.num_rows} rows, fewer than one global batch of '
                      f'{global_batch_size}: use a smaller batch or seq_len, or more data '
                      '(max_corpus_bytes).')
   return global_batch_size // process_count
@@ -264,50 +295,117 @@ def _check_batching(arrays: Mapping[str, np.ndarray], global_batch_size: int,
 @dataclasses.dataclass(frozen=True)
 class _TakeRows(grain.transforms.Map):
   """Global batch of row indices -> this process's rows of every array."""
-  arrays: Mapping[str, np.ndarray]
+  rows: RowSource
   start: int
   stop: int
 
   def map(self, indices: np.ndarray) -> Arrays:
-    rows = np.asarray(indices)[self.start:self.stop]
-    return {k: v[rows] for k, v in self.arrays.items()}
+    return self.rows.take(np.asarray(indices)[self.start:self.stop])
 
 
-def make_train_iterator(arrays: Mapping[str, np.ndarray], global_batch_size: int, seed: int,
-                        process_index: int = 0, process_count: int = 1, *,
-                        split: str = 'train', prefetch: int = 0) -> grain.DatasetIterator:
+# The saved data position: global batches consumed, the same for every process count.
+POSITION_KEY = 'global_batches'
+
+
+class BatchIterator:
+  """This process's part of an endless sequence of global batches, and its position.
+
+  The position (`get_state()`: {'global_batches': n}) counts global batches consumed. Every
+  process consumes the same global batches, so it is the same in all of them and restores onto
+  any process count (`set_state`). It also reads grain's own state ({'next_index': n}, in
+  checkpoints written before), which counts the same thing.
+  """
+
+  def __init__(self, batches: grain.MapDataset, options: grain.ReadOptions):
+    self._batches = batches
+    self._options = options
+    self._position = 0
+    self._iterator = None
+
+  def __iter__(self) -> BatchIterator:
+    return self
+
+  def __next__(self) -> Arrays:
+    if self._iterator is None:
+      self._iterator = iter(self._batches[self._position:].to_iter_dataset(self._options))
+    batch = next(self._iterator)
+    self._position += 1
+    return batch
+
+  @property
+  def position(self) -> int:
+    return self._position
+
+  def get_state(self) -> dict[str, int]:
+    return {POSITION_KEY: self._position}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    self._position = position_from_state(state)
+    self._iterator = None  # Restarts at the new position on next().
+
+
+def position_from_state(state: Mapping[str, Any]) -> int:
+  """Global batches consumed, from a saved position or grain's legacy iterator state."""
+  for key in (POSITION_KEY, 'next_index'):
+    value = state.get(key) if isinstance(state, Mapping) else None
+    if isinstance(value, int) and value >= 0:
+      return value
+  raise ValueError(f'Not a data position: {state!r} (expected {{"{POSITION_KEY}": n}}).')
+
+
+def make_train_iterator(data: Mapping[str, np.ndarray] | RowSource, global_batch_size: int,
+                        seed: int, process_index: int = 0, process_count: int = 1, *,
+                        split: str = 'train', prefetch: int = 0) -> BatchIterator:
   """Infinite, shuffled (differently each epoch) batches of [global_batch / process_count, L].
 
-  Process p gets rows [p * b, (p + 1) * b) of every global batch (b the per-process batch), so
-  the global batch is the same for every `process_count`. Everything is deterministic in `seed`;
-  `get_state()`/`set_state()` resume exactly. `prefetch` > 0 prepares that many batches ahead
-  in one background thread.
+  `data` is a mapping of packed arrays or any `RowSource` (a streamed dataset). Process p gets
+  rows [p * b, (p + 1) * b) of every global batch (b the per-process batch), so the global batch
+  is the same for every `process_count`. Everything is deterministic in `seed`;
+  `get_state()`/`set_state()` resume exactly, with any process count. `prefetch` > 0 prepares
+  that many batches ahead in as many background threads (grain worker processes were slower
+  for streamed rows on 2 cores, measured: the reading is cheap, the copies between processes
+  are not).
   """
-  per_process = _check_batching(arrays, global_batch_size, process_index, process_count, split)
-  num_rows = next(iter(arrays.values())).shape[0]
-  ds = (grain.MapDataset.range(num_rows)
+  rows = as_rows(data)
+  per_process = _check_batching(rows, global_batch_size, process_index, process_count, split)
+  ds = (grain.MapDataset.range(rows.num_rows)
         .shuffle(seed=seed)
         .repeat(None)
         .batch(global_batch_size, drop_remainder=True)
-        .map(_TakeRows(dict(arrays), process_index * per_process,
-                       (process_index + 1) * per_process)))
-  options = grain.ReadOptions(num_threads=1 if prefetch > 0 else 0,
+        .map(_TakeRows(rows, process_index * per_process, (process_index + 1) * per_process)))
+  options = grain.ReadOptions(num_threads=max(prefetch, 1) if prefetch > 0 else 0,
                               prefetch_buffer_size=max(prefetch, 0))
-  return iter(ds.to_iter_dataset(options))
+  return BatchIterator(ds, options)
 
 
-def iterator_checkpoint_args(iterator: grain.DatasetIterator, restore: bool = False) -> Any:
-  """Orbax args saving (or restoring into) `iterator` with grain's checkpoint handler.
+def iterator_checkpoint_args(iterator: BatchIterator, restore: bool = False) -> Any:
+  """Orbax args saving the iterator's position (JSON; process 0 writes it), or reading one.
 
-  Use as one item of `ocp.args.Composite(...)`. Grain writes one JSON file per process
-  (`process_{i}-of-{n}.json`), so restore with the same process count.
+  Use as one item of `ocp.args.Composite(...)`; after a restore, pass the restored item to
+  `iterator.set_state`.
   """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top  # Trainers only.
   if restore:
-    return grain.checkpoint.CheckpointRestore(iterator)
-  return grain.checkpoint.CheckpointSave(iterator)
+    return ocp.args.JsonRestore()
+  return ocp.args.JsonSave(iterator.get_state())
 
 
-def make_eval_batches(arrays: Mapping[str, np.ndarray], global_batch_size: int,
+def read_legacy_position(directory: str | os.PathLike) -> int:
+  """The position in a checkpoint item written by grain's handler (`process_{i}-of-{n}.json`).
+
+  Every process saved the same count of global batches, so any one of the files restores any
+  process count.
+  """
+  files = sorted(pathlib.Path(directory).glob('process_*-of-*.json'))
+  if not files:
+    raise ValueError(f'{directory} holds no data iterator state (process_*-of-*.json).')
+  try:
+    return position_from_state(json.loads(files[0].read_text()))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{files[0]} is not a readable data iterator state ({e}).') from e
+
+
+def make_eval_batches(data: Mapping[str, np.ndarray] | RowSource, global_batch_size: int,
                       num_batches: int | None, process_index: int = 0, process_count: int = 1,
                       *, split: str = 'valid') -> list[Arrays]:
   """The first `num_batches` global batches in order (no shuffle), this process's rows of each.
@@ -315,13 +413,13 @@ def make_eval_batches(arrays: Mapping[str, np.ndarray], global_batch_size: int,
   Returns fewer batches if the split is short (at least one); None takes all full batches.
   Each batch is a dict of int32 [global_batch / process_count, seq_len].
   """
-  per_process = _check_batching(arrays, global_batch_size, process_index, process_count, split)
-  num_rows = next(iter(arrays.values())).shape[0]
-  available = num_rows // global_batch_size
+  rows = as_rows(data)
+  per_process = _check_batching(rows, global_batch_size, process_index, process_count, split)
+  available = rows.num_rows // global_batch_size
   count = available if num_batches is None else min(num_batches, available)
   batches = []
   for b in range(count):
     start = b * global_batch_size + process_index * per_process
-    batches.append({k: np.asarray(v[start:start + per_process]) for k, v in arrays.items()})
+    batches.append(rows.take(np.arange(start, start + per_process)))
   return batches
 

@@ -1,5 +1,6 @@
 """Tests for mtp.data.pipeline."""
 
+import json
 import os
 import pathlib
 
@@ -309,6 +310,8 @@ def test_train_iterator_resume_through_orbax(tmp_path):
   want = _take(it, 4)  # advancing after save does not change what was saved
   manager.wait_until_finished()
   manager.close()
+  assert json.loads((tmp_path / 'ckpt' / '7' / 'data' / 'metadata').read_text()) == {
+      'global_batches': 7}  # One file, whatever the process count.
 
   manager = ocp.CheckpointManager(tmp_path / 'ckpt')
   fresh = pipeline.make_train_iterator(arrays, 6, seed=2)
@@ -317,8 +320,36 @@ def test_train_iterator_resume_through_orbax(tmp_path):
       data=pipeline.iterator_checkpoint_args(fresh, restore=True)))
   manager.close()
   assert int(restored['state']['step']) == 7
-  assert restored['data'] is fresh
+  fresh.set_state(restored['data'])
   _assert_batches_equal(_take(fresh, 4), want)
+
+
+def test_a_position_resumes_onto_another_process_count():
+  arrays = _arrays(40)
+  whole = pipeline.make_train_iterator(arrays, 8, seed=5)
+  _take(whole, 7)  # Into the second epoch.
+  state = whole.get_state()
+  want = _take(whole, 3)
+  parts = []
+  for p in range(4):
+    part = pipeline.make_train_iterator(arrays, 8, seed=5, process_index=p, process_count=4)
+    part.set_state(state)
+    parts.append(_take(part, 3))
+  for step in range(3):
+    for k in pipeline.KEYS:
+      np.testing.assert_array_equal(np.concatenate([parts[p][step][k] for p in range(4)]),
+                                    want[step][k])
+
+
+def test_legacy_grain_state_is_read(tmp_path):
+  """Checkpoints written by grain's handler: one file per process, the same count in each."""
+  for p in range(2):
+    (tmp_path / f'process_{p}-of-2.json').write_text(json.dumps({'next_index': 5}))
+  assert pipeline.read_legacy_position(tmp_path) == 5
+  with pytest.raises(ValueError, match='Not a data position'):
+    pipeline.position_from_state({'next_index': -1})
+  with pytest.raises(ValueError, match='holds no data iterator state'):
+    pipeline.read_legacy_position(tmp_path / 'missing')
 
 
 def test_process_shards_form_the_global_batch():

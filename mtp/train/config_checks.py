@@ -47,6 +47,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     raise ValueError(f'data.seq_len ({config.data.seq_len}) exceeds the model\'s maximum '
                      f'sequence length model.max_seq_len ({config.model.max_seq_len}).')
   distill.validate(config)
+  if config.data.get('source') and distill.uses_trunk_cache(config):
+    raise ValueError('distill.cache_trunk_states reads the in-memory corpus: it cannot be used '
+                     f'with data.source ({config.data.source}).')
   if config.data.tokenizer not in ('bpe', 'byte'):
     raise ValueError(f"data.tokenizer must be 'bpe' or 'byte', got {config.data.tokenizer!r}.")
   if num_devices is not None:

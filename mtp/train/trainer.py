@@ -24,6 +24,8 @@ from absl import logging
 from mtp.checkpoint import checkpointing
 from mtp.checkpoint import workdir_lock
 from mtp.data import pipeline
+from mtp.data import shards
+from mtp.data import streaming
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
 from mtp.train import divergence
@@ -95,10 +97,19 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   check_workdir_matches(workdir, config)
   if config.get('init_from'):
     workdir_tokenizer.adopt(pathlib.Path(config.init_from), workdir)
+  dataset = shards.open_dataset(config.data.source) if config.data.get('source') else None
+  if dataset is not None:  # A fresh workdir takes the dataset's tokenizer.
+    workdir_tokenizer.adopt(dataset.directory, workdir)
   tokenizer = workdir_tokenizer.prepare(config, workdir)
-  cache_dir = workdir / 'data_cache'
-  train_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'train', cache_dir)
-  valid_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'valid', cache_dir)
+  if dataset is not None:
+    streaming.check_tokenizer(dataset, tokenizer, str(workdir))
+    train_arrays = streaming.split_rows(dataset, 'train', config.data.seq_len, tokenizer)
+    valid_arrays = (streaming.split_rows(dataset, 'valid', config.data.seq_len, tokenizer)
+                    if config.eval_steps else None)
+  else:
+    cache_dir = workdir / 'data_cache'
+    train_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'train', cache_dir)
+    valid_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'valid', cache_dir)
   # Only now that the corpus and tokenizer check out: a run that failed on them leaves no
   # config.json, so a corrected config may start in the same workdir.
   checkpointing.save_config(workdir, config)
@@ -117,8 +128,10 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
                                               base_params,
                                               max_rows=config.eval_steps * config.data.batch_size)
     base_params.cache_clear()
+  prefetch = config.data.get('prefetch', 2) if dataset is not None else 0  # Streamed reads.
   iterator = pipeline.make_train_iterator(train_arrays, config.data.batch_size, config.seed,
-                                          jax.process_index(), jax.process_count())
+                                          jax.process_index(), jax.process_count(),
+                                          prefetch=prefetch)
   eval_batches = pipeline.make_eval_batches(valid_arrays, config.data.batch_size,
                                             config.eval_steps, jax.process_index(),
                                             jax.process_count()) if config.eval_steps else []

@@ -1,0 +1,45 @@
+"""launch.prepare_data: the command, its output line and its failures."""
+
+import json
+
+import numpy as np
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from launch import prepare_data
+from mtp.data import shards
+from mtp.data import tokenizer as tokenizer_lib
+
+FLAGS = flags.FLAGS
+
+
+def _prepare(*args):
+  FLAGS.unparse_flags()
+  FLAGS(['prepare_data', *args])
+  prepare_data.main(['prepare_data'])
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  root = tmp_path_factory.mktemp('corpus')
+  rng = np.random.default_rng(0)
+  lines = [json.dumps({'content': f'def f{i}(x):\n' + '    x += 1\n' * int(rng.integers(0, 30)),
+                       'id': i}) for i in range(200)]
+  (root / 'code.jsonl').write_text('\n'.join(lines) + '\n')
+  return root / 'code.jsonl'
+
+
+@flagsaver.flagsaver
+def test_the_command_prints_its_dataset(corpus, tmp_path, capsys):
+  _prepare(f'--source={corpus}', '--text_field=content', '--id_field=id', '--num_workers=1',
+           f'--output={tmp_path / "ds"}', '--valid_fraction=0.1')
+  printed = json.loads(capsys.readouterr().out)
+  manifest = shards.open_dataset(tmp_path / 'ds').manifest
+  assert printed['train_num_tokens'] == manifest['splits']['train']['num_tokens'] > 0
+  assert printed['valid_num_documents'] == manifest['splits']['valid']['num_documents'] > 0
+  assert manifest['source']['id_field'] == 'id'
+  with pytest.raises(SystemExit, match=r"launch.prepare_data: .*code.jsonl:1: has no field "
+                                       r"'text'"):
+    _prepare(f'--source={corpus}', f'--output={tmp_path / "other"}', '--num_workers=1')
+  assert not (tmp_path / 'other').exists()

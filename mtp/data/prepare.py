@@ -1,0 +1,249 @@
+"""Tokenizes a corpus once, in parallel, into a sharded dataset directory (see `shards`).
+
+Documents stream from the source (`sources`) in chunks to worker processes that read (files) and
+tokenize them; the parent writes their ids in source order, so the result does not depend on the
+number of workers. At most a few chunks per worker are in flight: memory does not grow with the
+corpus. Everything is written to a staging directory beside the output and renamed into place at
+the end, so a killed run leaves no half dataset under the output's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import collections
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from mtp.data import corpora
+from mtp.data import shards
+from mtp.data import sources
+from mtp.data import tokenizer as tokenizer_lib
+
+DEFAULT_SHARD_TOKENS = 64 * 2**20
+DEFAULT_BPE_SAMPLE_BYTES = 256 * 2**20
+# A chunk (one task for a worker) closes at this many documents or inline text bytes.
+CHUNK_DOCUMENTS = 256
+CHUNK_BYTES = 2**20
+STAGING_MARK = '.staging-'
+
+
+class PrepareError(ValueError):
+  """Arguments that cannot make a dataset (the output exists, an unknown tokenizer, ...)."""
+
+
+def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
+            vocab_size: int = 4096, text_field: str = 'text', id_field: str = '',
+            extensions: tuple[str, ...] = ('.py',), valid_fraction: float = 0.05,
+            num_workers: int = 0, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            bpe_sample_bytes: int = DEFAULT_BPE_SAMPLE_BYTES,
+            record_tokens: int = shards.DEFAULT_RECORD_TOKENS,
+            overwrite: bool = False) -> dict[str, Any]:
+  """Writes the dataset of `source` to `output`; returns its manifest plus `stats`.
+
+  Args:
+    source: a directory, `stdlib`, a .jsonl or .parquet file or a glob of them (`sources`).
+    output: the dataset directory to create.
+    tokenizer: 'byte'; 'bpe' (trained on up to `bpe_sample_bytes` of the train split's text,
+      `vocab_size` ids); or a directory holding a tokenizer.json (a training workdir, another
+      dataset) to reuse.
+    vocab_size: the BPE vocabulary size.
+    text_field, id_field: the record fields holding the text and (optional) the key the split
+      hashes; records only.
+    extensions: file suffixes read from a directory.
+    valid_fraction: the share of documents held out, by a hash of each key.
+    num_workers: tokenizing processes; 0 uses every CPU, 1 tokenizes in this process.
+    shard_tokens: a shard closes once it holds this many tokens.
+    bpe_sample_bytes: the text a BPE tokenizer is trained on, at most.
+    record_tokens: tokens per ArrayRecord record (what one random read decodes).
+    overwrite: replace an existing dataset at `output`.
+
+  Raises:
+    PrepareError, sources.SourceError: bad arguments, before anything is written.
+  """
+  output = pathlib.Path(output).expanduser().absolute()
+  if output.exists() and not overwrite:
+    raise PrepareError(f'{output} already exists: choose another --output or pass --overwrite.')
+  if not 0.0 <= valid_fraction < 1.0:
+    raise PrepareError(f'valid_fraction must be in [0, 1), got {valid_fraction}.')
+  if shard_tokens <= 0 or record_tokens <= 0:
+    raise PrepareError(f'shard_tokens ({shard_tokens}) and record_tokens ({record_tokens}) must '
+                       'be positive.')
+  if num_workers < 0:
+    raise PrepareError(f'num_workers must be >= 0, got {num_workers}.')
+  corpus = sources.open_source(source, text_field=text_field, id_field=id_field,
+                               extensions=extensions)
+  tok = _tokenizer(tokenizer, corpus, valid_fraction, vocab_size, bpe_sample_bytes)
+  _remove_stale_staging(output)
+  staging = output.with_name(f'.{output.name}{STAGING_MARK}{os.getpid()}')
+  staging.mkdir(parents=True)
+  try:
+    start = time.perf_counter()
+    tok.save(staging)
+    dtype = shards.token_dtype(tok.vocab_size)
+    writers = {s: shards.SplitWriter(staging, s, dtype, shard_tokens, record_tokens)
+               for s in shards.SPLITS}
+    skipped = collections.Counter()
+    for split, ids in _tokenized(corpus, valid_fraction, staging, num_workers, skipped):
+      writers[split].add(ids)
+    splits = {s: w.close() for s, w in writers.items()}
+    if not splits['train']['num_documents']:
+      raise PrepareError(f'Source {source!r} gave no training documents '
+                         f'(skipped: {dict(skipped)}).')
+    seconds = time.perf_counter() - start
+    skipped['null_texts'] = corpus.skipped_nulls
+    manifest = {
+        'format': shards.FORMAT, 'version': shards.VERSION,
+        'source': corpus.describe(), 'valid_fraction': valid_fraction,
+        'tokenizer': {'kind': tok.kind, 'vocab_size': tok.vocab_size,
+                      'sha256': shards.tokenizer_hash(tok),
+                      'special_ids': json.loads(tok.special_ids.to_json()),
+                      'file': tokenizer_lib.FILENAME, 'from': tokenizer},
+        'token_dtype': dtype.name, 'record_tokens': record_tokens,
+        'num_tokens': sum(s['num_tokens'] for s in splits.values()),
+        'num_documents': sum(s['num_documents'] for s in splits.values()),
+        'skipped': {k: v for k, v in sorted(skipped.items()) if v},
+        'splits': splits,
+    }
+    (staging / shards.MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=1) + '\n')
+    _commit(staging, output)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  stats = {'seconds': seconds, 'tokens_per_sec': manifest['num_tokens'] / max(seconds, 1e-9),
+           'num_workers': _resolve_workers(num_workers)}
+  logging.info('Prepared %s: %d documents, %d tokens in %.1fs (%.0f tokens/s).', output,
+               manifest['num_documents'], manifest['num_tokens'], seconds,
+               stats['tokens_per_sec'])
+  return {**manifest, 'stats': stats}
+
+
+def _tokenizer(spec: str, corpus: sources.Source, valid_fraction: float, vocab_size: int,
+               sample_bytes: int) -> tokenizer_lib.Tokenizer:
+  if spec == 'byte':
+    return tokenizer_lib.byte_tokenizer()
+  if spec == 'bpe':
+    return tokenizer_lib.train_bpe(_train_sample(corpus, valid_fraction, sample_bytes),
+                                   vocab_size)
+  path = pathlib.Path(spec).expanduser()
+  try:
+    return tokenizer_lib.Tokenizer.load(path)
+  except FileNotFoundError as e:
+    raise PrepareError(f"--tokenizer must be 'byte', 'bpe' or a directory holding a "
+                       f'{tokenizer_lib.FILENAME}; {spec!r} is none of them.') from e
+
+
+def _train_sample(corpus: sources.Source, valid_fraction: float,
+                  sample_bytes: int) -> Iterator[str]:
+  """Texts of the train split, in order, up to `sample_bytes` UTF-8 bytes."""
+  reader = corpora.TextReader()
+  left = sample_bytes
+  for split, doc in corpus.split_documents(valid_fraction):
+    if split != 'train':
+      continue
+    text = doc.text if doc.path is None else reader.read(doc.path)
+    if text is None:
+      continue
+    yield text
+    left -= len(text.encode('utf-8'))
+    if left <= 0:
+      return
+
+
+def _resolve_workers(num_workers: int) -> int:
+  return num_workers or os.cpu_count() or 1
+
+
+def _chunks(corpus: sources.Source, valid_fraction: float
+            ) -> Iterator[list[tuple[str, sources.Document]]]:
+  chunk, size = [], 0
+  for item in corpus.split_documents(valid_fraction):
+    chunk.append(item)
+    size += len(item[1].text or '')
+    if len(chunk) >= CHUNK_DOCUMENTS or size >= CHUNK_BYTES:
+      yield chunk
+      chunk, size = [], 0
+  if chunk:
+    yield chunk
+
+
+def _tokenized(corpus: sources.Source, valid_fraction: float, staging: pathlib.Path,
+               num_workers: int, skipped: collections.Counter
+               ) -> Iterator[tuple[str, np.ndarray]]:
+  """(split, ids with eos) of every document in source order; binary files are left out."""
+  workers = _resolve_workers(num_workers)
+  chunks = _chunks(corpus, valid_fraction)
+  if workers == 1:
+    _init_worker(str(staging))
+    results = map(_tokenize_chunk, chunks)
+    for docs, counts in results:
+      skipped.update(counts)
+      yield from docs
+    return
+  # Spawned, not forked: the parent may run tokenizer threads already (BPE training).
+  with multiprocessing.get_context('spawn').Pool(workers, _init_worker, (str(staging),)) as pool:
+    pending: collections.deque = collections.deque()
+    for chunk in chunks:
+      pending.append(pool.apply_async(_tokenize_chunk, (chunk,)))
+      if len(pending) >= 2 * workers:  # Bounded: the source is read only as fast as used.
+        docs, counts = pending.popleft().get()
+        skipped.update(counts)
+        yield from docs
+    while pending:
+      docs, counts = pending.popleft().get()
+      skipped.update(counts)
+      yield from docs
+
+
+_worker_tokenizer: tokenizer_lib.Tokenizer | None = None
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+  global _worker_tokenizer
+  _worker_tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_dir)
+
+
+def _tokenize_chunk(chunk: list[tuple[str, sources.Document]]
+                    ) -> tuple[list[tuple[str, np.ndarray]], dict[str, int]]:
+  """Reads (files) and tokenizes one chunk; eos ends every document."""
+  tok = _worker_tokenizer
+  reader = corpora.TextReader()
+  kept, texts = [], []
+  for split, doc in chunk:
+    text = doc.text if doc.path is None else reader.read(doc.path)
+    if text is not None:
+      kept.append(split)
+      texts.append(text)
+  eos = np.array([tok.eos_id], np.int32)
+  docs = [(split, np.concatenate([ids.astype(np.int32, copy=False), eos]))
+          for split, ids in zip(kept, tok.encode_arrays(texts))]
+  for path in reader.binary:
+    logging.warning('Skipped binary file %s.', path)
+  return docs, {'binary_files': len(reader.binary), 'undecodable_files': len(reader.undecodable)}
+
+
+def _remove_stale_staging(output: pathlib.Path) -> None:
+  """Staging directories a killed run left beside `output`."""
+  if not output.parent.is_dir():
+    return
+  for stale in output.parent.glob(f'.{output.name}{STAGING_MARK}*'):
+    logging.warning('Removing %s, left by an interrupted run.', stale)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def _commit(staging: pathlib.Path, output: pathlib.Path) -> None:
+  """Renames `staging` to `output` (an existing `output` is replaced)."""
+  if output.exists():
+    old = output.with_name(f'.{output.name}.replaced-{os.getpid()}')
+    output.rename(old)
+    staging.rename(output)
+    shutil.rmtree(old, ignore_errors=True)
+  else:
+    staging.rename(output)
