@@ -31,6 +31,10 @@ def get_config() -> ml_collections.ConfigDict:
   # (the last good checkpoints stay). 0: stop at the first (launch.train exits with code 3).
   c.max_bad_steps = 0
   c.progress_bar = True
+  # A jax.profiler trace of some train steps under workdir/profile (for TensorBoard's profile
+  # plugin or xprof): 'N' traces steps N..N+2, 'N:M' steps N to M (both included), '' none.
+  # Step 1 of a run compiles too: trace later steps to see a steady one.
+  c.profile_steps = ''
 
   # Multi-token objective: total = ntp + λ · Σ_k w_k · loss_k, w_k = decay**k.
   c.mtp_loss_scaling_factor = 1.0

@@ -29,8 +29,10 @@ from mtp.data import streaming
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
 from mtp.train import divergence
+from mtp.train import flops
 from mtp.train import init
 from mtp.train import preemption
+from mtp.train import profiling
 from mtp.train import step as step_lib
 from mtp.train import workdir_tokenizer
 from mtp.train import writers
@@ -75,6 +77,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   """
   workdir = pathlib.Path(workdir)
   validate_config(config, jax.device_count())
+  profiling.parse_profile_steps(config.get('profile_steps', ''))  # A bad value fails here.
   with _workdir_held(workdir):
     return _train(config, workdir, stop_after_step, on_metrics)
 
@@ -88,6 +91,21 @@ def _workdir_held(workdir: pathlib.Path):
     return
   with workdir_lock.WorkdirLock(workdir):
     yield
+
+
+def _throughput_metrics(config: ml_collections.ConfigDict) -> Callable[[float], dict]:
+  """tokens/s -> the record's `tflops_per_sec_per_device` (and `mfu` where the chip's peak is
+  known), from the model FLOPs of a step (`flops`); nothing for a family it cannot count."""
+  try:
+    step_flops = flops.train_step_flops(config)
+  except flops.UnknownHeadFamily as e:
+    logging.warning('%s No TFLOP/s in the metrics.', e)
+    return lambda tokens_per_sec: {}
+  logging.info('Model FLOPs per step: %.4g (%.4g per token; remat recomputes %.4g more).',
+               step_flops.total, step_flops.per_token, step_flops.remat_recompute)
+  return functools.partial(flops.throughput_metrics, step_flops.per_token,
+                           num_devices=jax.device_count(),
+                           device_kind=jax.devices()[0].device_kind)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
@@ -144,6 +162,8 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
                                 progress_total=config.num_train_steps, initial=start_step,
                                 show_progress=config.progress_bar and jax.process_index() == 0)
   tokens_per_batch = config.data.batch_size * config.data.seq_len
+  throughput = _throughput_metrics(config)
+  profiler = profiling.StepProfiler(config.get('profile_steps', ''), workdir / 'profile')
   last_metrics: dict[str, float] = {}
   last_step = config.num_train_steps
   if stop_after_step is not None:
@@ -158,7 +178,9 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   try:
     with preemption.StopRequest() as stop:
       for step in range(start_step + 1, last_step + 1):
+        profiler.before_step(step)
         state, metrics = trainer.train_step(state, trainer.train_batch(next(iterator)))
+        profiler.after_step(step, state)
         guard.add(step, metrics)
         if interval is None:  # Leave compilation out of the throughput.
           jax.block_until_ready(metrics)
@@ -172,6 +194,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
           if not interval.metrics:
             interval.metrics.append(metrics)
           last_metrics = {'step': step, **interval.summary()}
+          last_metrics.update(throughput(last_metrics['tokens_per_sec']))
           writer.write(last_metrics)
           if on_metrics:
             on_metrics(last_metrics)
@@ -193,6 +216,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
             preempted_at = step
           break
   finally:
+    profiler.close()
     checkpointer.close()
     writer.close()
   if preempted_at is not None:
