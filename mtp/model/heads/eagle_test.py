@@ -232,3 +232,32 @@ def test_vllm_eagle_forward_in_torch_matches_depth_one():
   np.testing.assert_allclose(out.numpy(), np.asarray(expected[1, :, :9]), atol=1e-4)
   np.testing.assert_allclose(logits.numpy(), np.asarray(model.logits(expected[1, :, :9])),
                              atol=1e-4)
+
+
+def test_hf_export_and_import_weights_round_trip(tmp_path):
+  """The whole path users take: `mtp.export.hf.write` (Llama directory + eagle/), then
+  `import_weights` finds the drafter through `hf_import`: trunk and drafter bit for bit."""
+  import mtp  # pylint: disable=import-outside-toplevel
+  from mtp import api  # pylint: disable=import-outside-toplevel
+  from mtp.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from mtp.export import hf  # pylint: disable=import-outside-toplevel
+  from mtp.pretrained import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  from mtp.train import testing as train_testing  # pylint: disable=import-outside-toplevel
+  tokenizer = tokenizer_lib.byte_tokenizer()
+  config = train_testing.tiny_config(**{'model.mtp_head_type': 'eagle',
+                                        'model.eagle_train_features': 'trunk'})
+  config.model.vocab_size = -(-tokenizer.vocab_size // 8) * 8 + 8
+  model = _perturbed(mtp_model.MTPModel(mtp_model.ModelConfig.from_config(config.model),
+                                        rngs=nnx.Rngs(0)))
+  loaded = api.LoadedModel(model=model, tokenizer=tokenizer, config=config, step=0,
+                           workdir=tmp_path / 'unused')
+  (tmp_path / 'export').mkdir()
+  summary = hf.write(loaded, tmp_path / 'export', np.float32)
+  assert summary['heads']['format'] == 'vllm-eagle'
+  assert sorted(p.name for p in (tmp_path / 'export' / 'eagle').iterdir()) == [
+      'config.json', 'model.safetensors']
+  back = mtp.load(workdir_lib.import_weights(tmp_path / 'export', tmp_path / 'w'))
+  assert back.model.cfg.mtp_head_type == 'eagle'
+  assert back.model.mtp_num_heads == model.mtp_num_heads
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)),
+               nnx.to_pure_dict(nnx.state(back.model)))
