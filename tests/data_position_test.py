@@ -52,3 +52,46 @@ def test_two_processes_save_one_resumes_on_the_same_batches(tmp_path):
   assert sorted(whole) == sorted(split) == [1, 2, 3, 4]
   np.testing.assert_allclose([split[s] for s in range(1, 5)], [whole[s] for s in range(1, 5)],
                              rtol=1e-4)
+
+
+def _iterator():
+  from mtp.data import pipeline  # pylint: disable=g-import-not-at-top
+  tokens = np.arange(40 * 4, dtype=np.int32).reshape(40, 4)
+  return pipeline.make_train_iterator(
+      {'tokens': tokens, 'segment_ids': np.ones_like(tokens), 'positions': np.zeros_like(tokens)},
+      4, seed=0)
+
+
+def test_a_checkpoint_holds_one_position_and_older_ones_still_restore(tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  from mtp.checkpoint import checkpointing  # pylint: disable=g-import-not-at-top
+  params, opt_state = {'w': np.ones([2], np.float32)}, {'m': np.zeros([2], np.float32)}
+  iterator = _iterator()
+  for _ in range(3):
+    next(iterator)
+  checkpointer = checkpointing.Checkpointer(tmp_path, async_save=False)
+  checkpointer.save(3, params, opt_state, iterator, force=True)
+  checkpointer.close()
+  step_dir = tmp_path / checkpointing.CHECKPOINT_DIRNAME / '3'
+  assert json.loads((step_dir / 'data_position' / 'metadata').read_text()) == {
+      'global_batches': 3}
+  assert not list((step_dir / 'data_position').glob('process_*'))  # Not one per process.
+
+  def restored_position():
+    fresh = _iterator()
+    reader = checkpointing.Checkpointer(tmp_path, read_only=True)
+    try:
+      reader.restore(3, data_iterator=fresh)
+    finally:
+      reader.close()
+    return fresh.get_state()
+  assert restored_position() == {'global_batches': 3}
+  # A checkpoint from before: grain's handler wrote one file per process (of 2 here).
+  shutil.rmtree(step_dir / 'data_position')
+  (step_dir / 'data').mkdir()
+  for p in range(2):
+    (step_dir / 'data' / f'process_{p}-of-2.json').write_text('{"next_index": 3}')
+  assert restored_position() == {'global_batches': 3}  # Read by a single process.
+  shutil.rmtree(step_dir / 'data')
+  with pytest.raises(checkpointing.CheckpointError, match='holds no data position'):
+    restored_position()
