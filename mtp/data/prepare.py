@@ -181,7 +181,7 @@ def _tokenized(corpus: sources.Source, valid_fraction: float, staging: pathlib.P
   workers = _resolve_workers(num_workers)
   chunks = _chunks(corpus, valid_fraction)
   if workers == 1:
-    _init_worker(str(staging))
+    _init_worker(str(staging), threads=True)  # The tokenizer's own threads, if any.
     results = map(_tokenize_chunk, chunks)
     for docs, counts in results:
       skipped.update(counts)
@@ -205,8 +205,10 @@ def _tokenized(corpus: sources.Source, valid_fraction: float, staging: pathlib.P
 _worker_tokenizer: tokenizer_lib.Tokenizer | None = None
 
 
-def _init_worker(tokenizer_dir: str) -> None:
+def _init_worker(tokenizer_dir: str, threads: bool = False) -> None:
   global _worker_tokenizer
+  if not threads:  # One thread per worker process: the processes are the parallelism.
+    os.environ['TOKENIZERS_PARALLELISM'] = 'false'
   _worker_tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_dir)
 
 
