@@ -58,7 +58,8 @@ def _chunks(x: Array, labels: Array, weights: Array, chunk_size: int):
 
 
 def _chunk_logits(xc: Array, unembedding: Array, yc: Array):
-  logits = jnp.dot(xc, unembedding.astype(xc.dtype)).astype(jnp.float32)
+  # bfloat16 activations: float32 accumulation, float32 logits and loss.
+  logits = jnp.dot(xc, unembedding.astype(xc.dtype), preferred_element_type=jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
   loss = lse - jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
   return logits, lse, loss, jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -114,7 +115,8 @@ def _fused_bwd(chunk_size, train_unembedding, residuals, cotangents):
   grad_x, grad_w, loss, labels = residuals
   g = cotangents[0]  # Only the weighted sum is differentiable; see fused_cross_entropy.
   label_cotangent = np.zeros(labels.shape, jax.dtypes.float0)
-  return g * grad_x, g * grad_w, label_cotangent, g * loss
+  # Each cotangent in its primal's dtype (bfloat16 activations stay bfloat16).
+  return ((g * grad_x).astype(grad_x.dtype), g * grad_w, label_cotangent, g * loss)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -141,7 +143,7 @@ def fused_cross_entropy(x: Array, unembedding: Array, labels: Array, weights: Ar
     the argmax of each token's logits, both without gradient).
   """
   if chunk_size <= 0:
-    logits = jnp.dot(x, unembedding.astype(x.dtype)).astype(jnp.float32)
+    logits = jnp.dot(x, unembedding.astype(x.dtype), preferred_element_type=jnp.float32)
     loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
     return (jnp.sum(loss * weights), jax.lax.stop_gradient(loss),
             jnp.argmax(logits, axis=-1).astype(jnp.int32))
