@@ -11,16 +11,17 @@ import dataclasses
 import itertools
 import json
 import os
-import pathlib
 import time
 from typing import Callable, Sequence
 
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import paths
 from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import decoders
 from mtp.decode import driver
@@ -41,7 +42,7 @@ class LoadedModel:
   tokenizer: tokenizer_lib.Tokenizer
   config: ml_collections.ConfigDict
   step: int
-  workdir: pathlib.Path
+  workdir: epath.Path
 
 
 def load(workdir: str | os.PathLike, step: int | None = None,
@@ -62,7 +63,7 @@ def load(workdir: str | os.PathLike, step: int | None = None,
     ValueError: the tokenizer file is corrupt, or the directory is an export that `mtp` does
       not run (the message names it).
   """
-  workdir = pathlib.Path(workdir)
+  workdir = paths.as_path(workdir)  # Local, or on an object store (gs://...).
   exported = manifest_lib.read(workdir)
   if exported is not None and exported['format'] == runtime.FORMAT:
     artifact = runtime.load(workdir, device=device)

@@ -27,14 +27,16 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from mtp.checkpoint import fingerprint
 from mtp.checkpoint import param_tree
+from mtp.checkpoint import paths
 from mtp.data import pipeline
 from mtp.model import heads as heads_lib
-from mtp.model import mtp_model
 from mtp.model import layout
+from mtp.model import mtp_model
 from mtp.model import transformer
 
 CONFIG_FILENAME = 'config.json'
@@ -46,10 +48,9 @@ class CheckpointError(RuntimeError):
   """A checkpoint is missing or unreadable."""
 
 
-def write_json_atomically(path: pathlib.Path, obj: Any) -> None:
-  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
-  tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_jsonable))
-  os.replace(tmp, path)
+def write_json_atomically(path: str | os.PathLike, obj: Any) -> None:
+  paths.write_text_atomically(
+      path, json.dumps(obj, indent=2, sort_keys=True, default=_jsonable))
 
 
 def _jsonable(value):
@@ -61,11 +62,11 @@ def _jsonable(value):
 def save_config(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -> None:
   """Writes config.json (process 0 only)."""
   if jax.process_index() == 0:
-    write_json_atomically(pathlib.Path(workdir) / CONFIG_FILENAME, config.to_dict())
+    write_json_atomically(paths.as_path(workdir) / CONFIG_FILENAME, config.to_dict())
 
 
 def load_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
-  path = pathlib.Path(workdir) / CONFIG_FILENAME
+  path = paths.as_path(workdir) / CONFIG_FILENAME
   if not path.exists():
     raise CheckpointError(f'{path} does not exist: {workdir} is not an mtp workdir.')
   try:
@@ -95,34 +96,37 @@ def write_base_reference(workdir: str | os.PathLike, base: str | os.PathLike) ->
 
   `base_workdir` is relative to `workdir` when the two are near each other (so that copying
   both elsewhere keeps the pair), else absolute; `base_workdir_absolute` is the fallback for a
-  heads workdir moved alone.
+  heads workdir moved alone. Either on an object store (a URL): absolute only.
   """
   if jax.process_index() != 0:
     return
-  workdir, base = pathlib.Path(workdir).absolute(), pathlib.Path(base).absolute()
-  relative = os.path.relpath(base, workdir)
-  near = pathlib.PurePath(relative).parts.count('..') <= MAX_RELATIVE_BASE_LEVELS
+  workdir, base = paths.as_path(workdir), paths.as_path(base)
+  near = False
+  if not paths.is_url(workdir) and not paths.is_url(base):
+    relative = os.path.relpath(base, workdir)
+    near = pathlib.PurePath(relative).parts.count('..') <= MAX_RELATIVE_BASE_LEVELS
   write_json_atomically(workdir / BASE_FILENAME,
                         {'base_workdir': relative if near else str(base),
                          'base_workdir_absolute': str(base), 'checkpoints_hold': 'heads'})
 
 
-def base_reference(workdir: str | os.PathLike) -> pathlib.Path | None:
+def base_reference(workdir: str | os.PathLike) -> epath.Path | None:
   """The base workdir holding the trunk, if the checkpoints hold heads only.
 
   `base_workdir` is absolute, or relative to `workdir`; `base_workdir_absolute`, if there, is
   tried when it is not an mtp workdir.
   """
-  workdir = pathlib.Path(workdir)
+  workdir = paths.as_path(workdir)
   path = workdir / BASE_FILENAME
   if not path.exists():
     return None
   try:
     record = json.loads(path.read_text())
     named = record['base_workdir']
-    candidates = [pathlib.Path(os.path.normpath(workdir.absolute() / named))]
+    candidates = [paths.as_path(named) if paths.is_url(named) or paths.is_url(workdir)
+                  else paths.as_path(os.path.normpath(workdir / named))]
     if record.get('base_workdir_absolute'):
-      candidates.append(pathlib.Path(record['base_workdir_absolute']))
+      candidates.append(paths.as_path(record['base_workdir_absolute']))
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointError(f'{path} is unreadable ({type(e).__name__}: {e}).') from e
   for base in candidates:
@@ -140,7 +144,7 @@ class Checkpointer:
 
   def __init__(self, workdir: str | os.PathLike, max_to_keep: int = 3, async_save: bool = True,
                read_only: bool = False):
-    self.directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
+    self.directory = paths.as_path(workdir) / CHECKPOINT_DIRNAME
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only)
@@ -257,6 +261,9 @@ def restore_params(workdir: str | os.PathLike, target: nnx.State, *, step: int |
     step: the checkpoint; default the latest.
     parts: the top-level parts of `target` to restore ('trunk', 'heads'); default all. The
       checkpoint may hold other parts (another model's heads, say).
+    convert_layout: a trunk saved in the other layer layout (scanned or unrolled,
+      `mtp.model.layout`) is converted into `target`'s; False raises
+      `layout.LayoutMismatchError` instead.
 
   Returns:
     (the parameters: `target`'s `parts`, restored; the step).
@@ -265,7 +272,7 @@ def restore_params(workdir: str | os.PathLike, target: nnx.State, *, step: int |
     CheckpointError: no such checkpoint, or it does not hold these parameters (the message names
       the workdir and what is missing).
   """
-  workdir = pathlib.Path(workdir)
+  workdir = paths.as_path(workdir)
   parts = tuple(parts or target.keys())
   base = base_reference(workdir)
   here = [p for p in parts if base is None or p != param_tree.TRUNK]
@@ -278,9 +285,6 @@ def restore_params(workdir: str | os.PathLike, target: nnx.State, *, step: int |
                             [restored[path] for path in _flat(wanted)]), step
 
 
-    convert_layout: a trunk saved in the other layer layout (scanned or unrolled,
-      `mtp.model.layout`) is converted into `target`'s; False raises
-      `layout.LayoutMismatchError` instead.
 def _restore_parts(workdir: pathlib.Path, target: nnx.State, step: int | None,
                    parts: Sequence[str], convert_layout: bool = True) -> tuple[int, dict]:
   """(step, {path: array}) of `parts` at `step` (default the latest) of `workdir`, the trunk's
@@ -348,13 +352,18 @@ class _SavedTree:
   lists were renamed, those that `upgrade_legacy_tree` gives the saved ones.
   """
 
-  def __init__(self, directory: pathlib.Path, target):
+  def __init__(self, directory: epath.Path, target):
     handler = ocp.StandardCheckpointHandler()
     try:
       metadata = handler.metadata(directory).tree
     finally:
       handler.close()
     saved, wanted = _flat(metadata), _flat(target)
+    saved_layout = layout.tree_layout(layout.nest(saved))
+    wanted_layout = layout.tree_layout(layout.nest(wanted))
+    if saved_layout and wanted_layout and saved_layout != wanted_layout:
+      raise layout.LayoutMismatchError(layout.mismatch_message(
+          f'The checkpoint {directory}', saved_layout, wanted_layout))
     if wanted.keys() <= saved.keys():
       sources = {path: path for path in wanted}
     else:
@@ -376,11 +385,6 @@ class _SavedTree:
       return jax.ShapeDtypeStruct(leaf.shape, want.dtype, sharding=want.sharding)
     self.item = jax.tree_util.tree_map_with_path(item, metadata)
     self._treedef = jax.tree.structure(target)
-    saved_layout = layout.tree_layout(layout.nest(saved))
-    wanted_layout = layout.tree_layout(layout.nest(wanted))
-    if saved_layout and wanted_layout and saved_layout != wanted_layout:
-      raise layout.LayoutMismatchError(layout.mismatch_message(
-          f'The checkpoint {directory}', saved_layout, wanted_layout))
     self._sources = [sources[path] for path in wanted]
 
   def unpack(self, restored):
@@ -388,7 +392,7 @@ class _SavedTree:
     return jax.tree.unflatten(self._treedef, [arrays[source] for source in self._sources])
 
 
-def _legacy_sources(directory: pathlib.Path, saved: dict, wanted: dict) -> dict:
+def _legacy_sources(directory: epath.Path, saved: dict, wanted: dict) -> dict:
   """{target path: saved path} for a tree saved under the heads' legacy parameter names."""
   # The saved paths as leaves of a nested dict (lists too, as dicts of indices), renamed
   # wherever a `heads` node has the old layout (in the parameters and in the optimizer state).

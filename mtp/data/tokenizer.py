@@ -23,10 +23,10 @@ import dataclasses
 import functools
 import json
 import os
-import pathlib
 
 import numpy as np
 import tokenizers
+from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 PAD, EOS, BOS = '<pad>', '<eos>', '<bos>'
@@ -224,13 +224,13 @@ class Tokenizer:
       return data.decode('utf-8', errors='replace')
     return self._tok.decode(ids.tolist(), skip_special_tokens=True)
 
-  def save(self, directory: str | pathlib.Path) -> pathlib.Path:
+  def save(self, directory: str | os.PathLike) -> epath.Path:
     """Writes `directory/tokenizer.json` (HF format) and returns its path.
 
     Special ids other than the project's layout go to `directory/special_tokens.json`, and a
     chat template to `directory/chat_template.jinja`.
     """
-    directory = pathlib.Path(directory)
+    directory = epath.Path(directory)  # Local, or on an object store (gs://).
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / FILENAME
     specials = directory / SPECIAL_IDS_FILENAME
@@ -251,7 +251,7 @@ class Tokenizer:
     return self._tok.to_str()
 
   @classmethod
-  def load(cls, directory: str | pathlib.Path) -> Tokenizer:
+  def load(cls, directory: str | os.PathLike) -> Tokenizer:
     """Reads `directory/tokenizer.json` (or the file itself if given a file path) and the
     `special_tokens.json` and `chat_template.jinja` beside it, if any.
 
@@ -259,7 +259,7 @@ class Tokenizer:
       FileNotFoundError: there is no tokenizer file.
       ValueError: a file is corrupt or not a usable tokenizer (the message names it).
     """
-    path = pathlib.Path(directory)
+    path = epath.Path(directory)
     if path.is_dir():
       path = path / FILENAME
     if not path.is_file():
@@ -269,7 +269,7 @@ class Tokenizer:
     special_ids = None if text is None else SpecialIds.from_json(text, specials)
     chat_template = _read_optional(path.with_name(CHAT_TEMPLATE_FILENAME))
     try:
-      hf_tokenizer = tokenizers.Tokenizer.from_file(str(path))
+      hf_tokenizer = tokenizers.Tokenizer.from_str(path.read_text(encoding='utf-8'))
     except Exception as e:  # pylint: disable=broad-except  # The Rust side raises bare Exception.
       raise ValueError(f'{path} is corrupt or not a tokenizer file ({e}).') from e
     try:
@@ -281,7 +281,7 @@ class Tokenizer:
     return f'Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})'
 
 
-def _read_optional(path: pathlib.Path) -> str | None:
+def _read_optional(path: epath.Path) -> str | None:
   """The text of a file beside the tokenizer, None if there is none."""
   if not path.is_file():
     return None
@@ -291,7 +291,7 @@ def _read_optional(path: pathlib.Path) -> str | None:
     raise ValueError(f'{path} is not UTF-8 text ({e}).') from e
 
 
-def _write_atomically(path: pathlib.Path, text: str) -> None:
+def _write_atomically(path: epath.Path, text: str) -> None:
   tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
   tmp.write_text(text, encoding='utf-8')
   tmp.replace(path)

@@ -16,6 +16,8 @@ import os
 import pathlib
 from typing import Any
 
+from etils import epath
+
 FILENAME = 'export.json'
 
 
@@ -25,7 +27,7 @@ def read(directory: str | os.PathLike) -> dict[str, Any] | None:
   Raises:
     ValueError: the manifest exists but is not a JSON object with a "format" (names the file).
   """
-  path = pathlib.Path(directory) / FILENAME
+  path = epath.Path(directory) / FILENAME  # A workdir may be on an object store.
   if not path.is_file():
     return None
   try:

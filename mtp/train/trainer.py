@@ -22,6 +22,7 @@ import numpy as np
 from absl import logging
 
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import paths
 from mtp.checkpoint import workdir_lock
 from mtp.data import pipeline
 from mtp.data import shards
@@ -75,7 +76,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       `max_bad_steps` times); nothing is saved after the last good checkpoint.
     preemption.Preempted: SIGTERM, after saving a checkpoint.
   """
-  workdir = pathlib.Path(workdir)
+  workdir = paths.as_path(workdir)  # Local, or on an object store (gs://...).
   validate_config(config, jax.device_count())
   profiling.parse_profile_steps(config.get('profile_steps', ''))  # A bad value fails here.
   with _workdir_held(workdir):
@@ -114,7 +115,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   workdir.mkdir(parents=True, exist_ok=True)
   check_workdir_matches(workdir, config)
   if config.get('init_from'):
-    workdir_tokenizer.adopt(pathlib.Path(config.init_from), workdir)
+    workdir_tokenizer.adopt(config.init_from, workdir)
   dataset = shards.open_dataset(config.data.source) if config.data.get('source') else None
   if dataset is not None:  # A fresh workdir takes the dataset's tokenizer.
     workdir_tokenizer.adopt(dataset.directory, workdir)
@@ -125,7 +126,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
     valid_arrays = (streaming.split_rows(dataset, 'valid', config.data.seq_len, tokenizer)
                     if config.eval_steps else None)
   else:
-    cache_dir = workdir / 'data_cache'
+    cache_dir = paths.local_dir(workdir, 'data_cache')
     train_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'train', cache_dir)
     valid_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'valid', cache_dir)
   # Only now that the corpus and tokenizer check out: a run that failed on them leaves no

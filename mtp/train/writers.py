@@ -1,19 +1,30 @@
-"""Where training metrics go: metrics.jsonl, TensorBoard event files and a progress bar."""
+"""Where training metrics go: metrics.jsonl, TensorBoard event files and a progress bar.
+
+The workdir may be local or on an object store (`gs://...`, through `etils.epath`). Locally,
+records are appended to metrics.jsonl as they come; an object cannot be appended to, so there
+each record rewrites the whole file (small: one line per log step). TensorBoard events on
+`gs://` go through tensorboardX's own writer, which needs `google-cloud-storage`; without it
+they are left out with a warning.
+"""
 
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 
 from absl import logging
+from etils import epath
 import jax
 import tqdm
 from tensorboardX import SummaryWriter
+from tensorboardX import record_writer
+
+from mtp.checkpoint import paths
 
 METRICS_FILENAME = 'metrics.jsonl'
 
 
-def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+def read_metrics(workdir: str | os.PathLike) -> list[dict]:
   """All records of workdir/metrics.jsonl in order.
 
   A last line that does not end the file with a newline and does not parse is a record torn by
@@ -21,7 +32,7 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
   checkpoint step anyway). Any other line that is not a JSON object raises a ValueError naming
   the file and line.
   """
-  path = pathlib.Path(workdir) / METRICS_FILENAME
+  path = paths.as_path(workdir) / METRICS_FILENAME
   if not path.exists():
     return []
   lines = path.read_bytes().split(b'\n')
@@ -39,7 +50,7 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
   return records
 
 
-def _parse_record(line: bytes, path: pathlib.Path, number: int) -> dict:
+def _parse_record(line: bytes, path: epath.Path, number: int) -> dict:
   """One metrics record; a ValueError naming `path` and line `number` if it is not one."""
   try:
     record = json.loads(line.decode('utf-8'))
@@ -59,19 +70,22 @@ class MetricWriter:
   run) are dropped, so metrics.jsonl reads as one uninterrupted run.
   """
 
-  def __init__(self, workdir: str | pathlib.Path, *, resume_from_step: int = 0,
+  def __init__(self, workdir: str | os.PathLike, *, resume_from_step: int = 0,
                progress_total: int = 0, initial: int = 0, show_progress: bool = True):
     self._active = jax.process_index() == 0
-    self._path = pathlib.Path(workdir) / METRICS_FILENAME
+    self._path = paths.as_path(workdir) / METRICS_FILENAME
     self._file = self._tb = self._bar = None
+    self._lines: list[str] = []  # All of metrics.jsonl, on an object store.
     if not self._active:
       return
-    kept = [r for r in read_metrics(workdir) if r.get('step', 0) <= resume_from_step]
-    tmp = self._path.with_suffix('.tmp')
-    tmp.write_text(''.join(json.dumps(r) + '\n' for r in kept))
-    tmp.replace(self._path)
-    self._file = self._path.open('a')
-    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
+    kept = [json.dumps(r) + '\n' for r in read_metrics(workdir)
+            if r.get('step', 0) <= resume_from_step]
+    paths.write_text_atomically(self._path, ''.join(kept))
+    if paths.is_url(self._path):
+      self._lines = kept
+    else:
+      self._file = open(self._path, 'a')
+    self._tb = _tensorboard_writer(paths.as_path(workdir) / 'tensorboard')
     if show_progress:
       self._bar = tqdm.tqdm(total=progress_total, initial=initial, unit='step',
                             dynamic_ncols=True)
@@ -79,11 +93,16 @@ class MetricWriter:
   def write(self, record: dict) -> None:
     if not self._active:
       return
-    self._file.write(json.dumps(record) + '\n')
-    self._file.flush()
+    line = json.dumps(record) + '\n'
+    if self._file is not None:
+      self._file.write(line)
+      self._file.flush()
+    else:
+      self._lines.append(line)
+      paths.write_text_atomically(self._path, ''.join(self._lines))
     step = record['step']
     for key, value in record.items():
-      if key != 'step':
+      if key != 'step' and self._tb is not None:
         self._tb.add_scalar(key, value, step)
     if self._bar is not None and 'loss' in record:
       shown = {'loss': f"{record['loss']:.3f}"}
@@ -99,6 +118,21 @@ class MetricWriter:
   def close(self) -> None:
     if self._file is not None:
       self._file.close()
+    if self._tb is not None:
       self._tb.close()
     if self._bar is not None:
       self._bar.close()
+
+
+def _tensorboard_writer(directory: epath.Path) -> SummaryWriter | None:
+  """A TensorBoard writer into `directory`, or None (with a warning) where tensorboardX cannot
+  write there: `gs://` without google-cloud-storage, `s3://` without boto3, other schemes."""
+  if paths.is_url(directory):
+    scheme = str(directory).split('://', 1)[0]
+    enabled = {'gs': record_writer.GCS_ENABLED, 's3': record_writer.S3_ENABLED}
+    if not enabled.get(scheme):
+      needs = {'gs': ' (pip install google-cloud-storage)', 's3': ' (pip install boto3)'}
+      logging.warning('No TensorBoard events under %s: tensorboardX cannot write there%s. '
+                      'metrics.jsonl has every record.', directory, needs.get(scheme, ''))
+      return None
+  return SummaryWriter(str(directory))

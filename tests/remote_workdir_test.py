@@ -1,0 +1,112 @@
+"""Workdirs on an object store: `gs://` paths served by an in-memory fsspec file system.
+
+epath reaches `gs://` through fsspec when TensorFlow is absent, so registering an in-memory
+file system for the `gs` protocol lets the workdir's files (config.json, base.json, the
+tokenizer, metrics.jsonl, the lock) go to a fake bucket. Nothing may land on the local disk
+under a mangled name (`gs:/bucket/...`, what pathlib makes of a URL). Orbax's arrays go through
+tensorstore, which has its own gs driver that this fake does not reach: checkpoints are not
+tested here.
+"""
+
+import os
+
+import fsspec
+import pytest
+from etils import epath
+from fsspec.implementations import memory
+
+from configs import tiny
+from mtp.checkpoint import checkpointing
+from mtp.checkpoint import paths
+from mtp.checkpoint import workdir_lock
+from mtp.data import tokenizer as tokenizer_lib
+from mtp.train import workdir_tokenizer
+from mtp.train import writers
+
+
+class _FakeGCS(memory.MemoryFileSystem):
+  """An in-memory bucket store under `gs://`, apart from fsspec's `memory://` one."""
+  protocol = ('gs', 'gcs')
+  store = {}
+  pseudo_dirs = ['']
+
+  def __init__(self, *args, finalize_on_close=None, **kwargs):
+    del finalize_on_close  # gcsfs's option, which epath passes.
+    super().__init__(*args, **kwargs)
+
+  @classmethod
+  def _strip_protocol(cls, path):
+    path = os.fspath(path)
+    for prefix in ('gs://', 'gcs://'):
+      path = path.removeprefix(prefix)
+    return memory.MemoryFileSystem._strip_protocol(path)
+
+
+@pytest.fixture
+def bucket(monkeypatch, tmp_path):
+  if epath.gpath._is_tf_installed():  # pylint: disable=protected-access
+    pytest.skip('epath reaches gs:// through TensorFlow here, not fsspec')
+  for protocol in _FakeGCS.protocol:
+    fsspec.register_implementation(protocol, _FakeGCS, clobber=True)
+  epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  _FakeGCS.store.clear()
+  monkeypatch.chdir(tmp_path)  # Where a mangled local `gs:/...` directory would appear.
+  yield 'gs://bucket'
+  epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  assert not (tmp_path / 'gs:').exists()
+  assert not os.listdir(tmp_path), os.listdir(tmp_path)
+
+
+def _stored(name):
+  return _FakeGCS._strip_protocol(name) in _FakeGCS.store  # pylint: disable=protected-access
+
+
+def test_config_and_base_reference_on_a_bucket(bucket):
+  heads, base = f'{bucket}/heads', f'{bucket}/base'
+  config = tiny.get_config()
+  checkpointing.save_config(base, config)
+  assert _stored(f'{base}/config.json')
+  assert checkpointing.load_config(base).model.embed_dim == config.model.embed_dim
+  checkpointing.write_base_reference(heads, base)
+  assert str(checkpointing.base_reference(heads)) == base
+
+
+def test_metrics_on_a_bucket_are_rewritten_whole_and_resume(bucket):
+  workdir = f'{bucket}/run'
+  writer = writers.MetricWriter(workdir, show_progress=False)
+  for step in (1, 2, 3):
+    writer.write({'step': step, 'loss': float(step)})
+  writer.close()
+  assert [r['step'] for r in writers.read_metrics(workdir)] == [1, 2, 3]
+  # A run resumed from step 2 drops the records logged after it.
+  writer = writers.MetricWriter(workdir, resume_from_step=2, show_progress=False)
+  writer.write({'step': 3, 'loss': 30.0})
+  writer.close()
+  assert [r['loss'] for r in writers.read_metrics(workdir)] == [1.0, 2.0, 30.0]
+
+
+def test_tokenizer_is_built_saved_adopted_and_loaded_on_a_bucket(bucket):
+  config = tiny.get_config()
+  built = workdir_tokenizer.prepare(config, f'{bucket}/run')
+  assert _stored(f'{bucket}/run/{tokenizer_lib.FILENAME}')
+  workdir_tokenizer.adopt(f'{bucket}/run', f'{bucket}/heads')
+  loaded = tokenizer_lib.Tokenizer.load(epath.Path(f'{bucket}/heads'))
+  assert list(loaded.encode('def f(): pass')) == list(built.encode('def f(): pass'))
+
+
+def test_workdir_lock_on_a_bucket_is_a_marker_that_refuses_a_second_writer(bucket):
+  workdir = f'{bucket}/run'
+  with workdir_lock.WorkdirLock(workdir):
+    assert _stored(f'{workdir}.lock')
+    with pytest.raises(workdir_lock.WorkdirLockedError, match='is in use by pid'):
+      workdir_lock.WorkdirLock(workdir).acquire()
+  assert not _stored(f'{workdir}.lock')
+
+
+def test_local_caches_of_a_bucket_workdir_live_on_this_host(bucket, monkeypatch, tmp_path):
+  monkeypatch.setenv('MTP_LOCAL_CACHE', str(tmp_path.parent / 'cache'))
+  local = paths.local_dir(f'{bucket}/run', 'data_cache')
+  assert not paths.is_url(local)
+  assert str(local) == str(tmp_path.parent / 'cache' / 'gs' / 'bucket' / 'run' / 'data_cache')
+  assert str(paths.local_dir(tmp_path / 'run', 'data_cache')) == str(tmp_path / 'run' /
+                                                                    'data_cache')
