@@ -27,7 +27,26 @@ flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and the tokeniz
 flags.DEFINE_integer('num_processes', 1, 'Processes of a multi-host run (-1: auto-detect).')
 flags.DEFINE_integer('process_id', None, 'This process in a multi-host run.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 (multi-host).')
+flags.DEFINE_integer('heartbeat_timeout_s', 100,
+                     'Multi-host: a process silent this long counts as dead, and the others '
+                     'stop with an error instead of waiting for it forever.')
+flags.DEFINE_integer('initialization_timeout_s', 300,
+                     'Multi-host: how long processes wait for each other at start-up.')
 flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def _initialize_distributed(jax) -> None:
+  """Joins the multi-host run: the flags' place in it, or the cluster's (-1: TPU pod, SLURM,
+  Open MPI auto-detection). A dead peer is noticed by the coordination service's heartbeats
+  (every process then exits with an error) rather than waited for in a collective forever."""
+  timeouts = dict(initialization_timeout=FLAGS.initialization_timeout_s,
+                  heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_s)
+  if FLAGS.num_processes == -1:
+    jax.distributed.initialize(**timeouts)
+  else:
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                               **timeouts)
+  logging.info('Process %d of %d.', jax.process_index(), jax.process_count())
 
 
 def main(argv):
@@ -38,12 +57,17 @@ def main(argv):
     config.get('seed')  # Loaded lazily: an unreadable file fails here.
   except Exception as e:  # noqa: BLE001
     cli.fail(PROGRAM, e, cli.USAGE)
+  if FLAGS.num_processes == 0 or FLAGS.num_processes < -1:
+    cli.fail(PROGRAM, ValueError(f'--num_processes must be -1 (auto-detect) or at least 1, got '
+                                 f'{FLAGS.num_processes}.'), cli.USAGE)
+  if FLAGS.num_processes > 1 and (FLAGS.process_id is None or not FLAGS.coordinator_address):
+    cli.fail(PROGRAM, ValueError(f'--num_processes={FLAGS.num_processes} needs --process_id and '
+                                 '--coordinator_address (or --num_processes=-1 where the cluster '
+                                 'tells them).'), cli.USAGE)
   launch.quiet_library_logs()
   import jax  # After flags, so that XLA_FLAGS set by wrappers are honoured.
-  if FLAGS.num_processes == -1:
-    jax.distributed.initialize()
-  elif FLAGS.num_processes > 1:
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  if FLAGS.num_processes == -1 or FLAGS.num_processes > 1:
+    _initialize_distributed(jax)
   from mtp.checkpoint import checkpointing
   from mtp.checkpoint import workdir_lock
   from mtp.train import divergence

@@ -108,3 +108,40 @@ def test_sigterm_saves_then_exits_with_the_preemption_code(tmp_path):
   assert 'launch.train: preempted (SIGTERM): saved a checkpoint at step' in err
   assert checkpointing.Checkpointer(workdir, read_only=True).all_steps()
   assert not (tmp_path / 'w.lock').exists()
+
+
+class _Joined(Exception):
+  """Raised by a stand-in for jax.distributed.initialize: the test ends there."""
+
+
+@pytest.mark.parametrize('extra, expected_args', [
+    (['--num_processes=-1', '--heartbeat_timeout_s=7'], ()),
+    (['--num_processes=2', '--process_id=1', '--coordinator_address=h:9'], ('h:9', 2, 1)),
+])
+@flagsaver.flagsaver
+def test_a_multi_host_run_joins_with_the_heartbeat_timeout(tmp_path, monkeypatch, extra,
+                                                           expected_args):
+  import jax  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def initialize(*args, **kwargs):
+    calls.append((args, kwargs))
+    raise _Joined()
+  monkeypatch.setattr(jax.distributed, 'initialize', initialize)
+  with pytest.raises(_Joined):
+    _main(tmp_path, *extra)
+  heartbeat = 7 if '--heartbeat_timeout_s=7' in extra else 100
+  assert calls == [(expected_args, {'initialization_timeout': 300,
+                                    'heartbeat_timeout_seconds': heartbeat})]
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['--num_processes=0'], 'must be -1'),
+    (['--num_processes=2', '--process_id=0'], 'needs --process_id and --coordinator_address'),
+])
+@flagsaver.flagsaver
+def test_bad_process_flags_are_named(tmp_path, capsys, extra, message):
+  with pytest.raises(SystemExit) as e:
+    _main(tmp_path, *extra)
+  assert e.value.code == cli.USAGE
+  assert message in capsys.readouterr().err

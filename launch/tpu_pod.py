@@ -1,0 +1,256 @@
+r"""Trains on every worker of a Cloud TPU pod slice with one command.
+
+  python -m launch.tpu_pod --tpu=NAME --zone=ZONE [--project=P] --workdir=gs://BUCKET/run \
+      [--dry_run] [--install=source|none] [--env=KEY=VALUE ...] [--detach] \
+      -- --config=configs/code_small.py [--config.num_train_steps=... other launch.train flags]
+
+What it runs, in order (`--dry_run` prints these commands and runs nothing):
+  1. packs this checkout (the files git tracks or would track, uncommitted edits included) into
+     STAGING_DIR/mtp-src.tar.gz;
+  2. `gcloud compute tpus tpu-vm scp` copies it to every worker (`--worker=all`);
+  3. `gcloud compute tpus tpu-vm ssh --worker=all` unpacks it into ~/REMOTE_DIR on each worker
+     and installs it there with JAX for TPUs: `python3 -m pip install --upgrade 'jax[tpu]' .`;
+  4. `gcloud compute tpus tpu-vm ssh --worker=all` runs, in ~/REMOTE_DIR on every worker,
+       python3 -m launch.train <your flags> --workdir=WORKDIR --num_processes=-1
+     `--num_processes=-1` lets `jax.distributed.initialize()` find the pod's workers, its
+     coordinator and each worker's place by itself.
+The package is shipped as source rather than a wheel because `--config=configs/NAME.py` is a
+file path: running from the unpacked tree makes it resolve on the workers as it does here.
+`--install=none` skips steps 1-3 (the workers already hold ~/REMOTE_DIR, e.g. a second run).
+
+All workers write the same workdir, so it must be shared storage: a `gs://` path (TensorStore,
+Orbax and etils read it natively), or a filesystem mounted on every worker
+(`--shared_workdir`). Runs resume from it: after a preemption, the same command continues.
+
+Output. Without `--detach`, gcloud streams every worker's output here (and with
+`--output_directory`, into one log file per worker); closing this terminal ends the run. With
+`--detach` each worker runs under nohup, writing ~/REMOTE_DIR/train.log, and this command
+returns at once. A worker that dies stops the others within launch.train's
+`--heartbeat_timeout_s` (JAX's coordination service notices the missing heartbeats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+from typing import Sequence
+
+from absl import app
+from absl import flags
+
+from launch import cli
+
+FLAGS = flags.FLAGS
+PROGRAM = 'launch.tpu_pod'
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARCHIVE = 'mtp-src.tar.gz'
+# Flags this launcher sets on launch.train itself.
+_OWN_TRAIN_FLAGS = ('--workdir', '--num_processes', '--process_id', '--coordinator_address')
+
+flags.DEFINE_string('tpu', None, 'The TPU VM (pod slice) name.')
+flags.DEFINE_string('zone', None, 'Its zone, e.g. us-central2-b.')
+flags.DEFINE_string('project', None, 'Its Google Cloud project (default: gcloud\'s).')
+flags.DEFINE_string('workdir', None, 'The run\'s workdir, shared by all workers (gs://...).')
+flags.DEFINE_bool('shared_workdir', False,
+                  'The workdir is not gs:// but a filesystem every worker mounts at that path.')
+flags.DEFINE_bool('dry_run', False, 'Print the commands, run nothing.')
+flags.DEFINE_enum('install', 'source', ['source', 'none'],
+                  'source: copy this checkout to the workers and pip install it there; none: '
+                  'the workers already hold REMOTE_DIR.')
+flags.DEFINE_string('remote_dir', 'mtp', 'Where the package lives on the workers (relative to '
+                    'the home directory).')
+flags.DEFINE_string('jax_requirement', 'jax[tpu]', 'The pip requirement of JAX for TPUs '
+                    '(pin a version here, e.g. "jax[tpu]==0.10.2").')
+flags.DEFINE_string('staging_dir', os.path.join(tempfile.gettempdir(), 'mtp-tpu-pod'),
+                    'Local directory for the source archive.')
+flags.DEFINE_multi_string('env', [], 'KEY=VALUE set for launch.train on every worker '
+                          '(repeatable), e.g. LIBTPU_INIT_ARGS=...')
+flags.DEFINE_bool('internal_ip', False, 'Reach the workers by internal IP (from inside their '
+                  'VPC).')
+flags.DEFINE_string('output_directory', None, 'Also write each worker\'s output to a log file '
+                    'in this local directory (gcloud --output-directory).')
+flags.DEFINE_bool('detach', False, 'Run under nohup on the workers (log: REMOTE_DIR/train.log) '
+                  'and return at once.')
+
+
+class PodLaunchError(ValueError):
+  """A launch request that cannot work, named before anything runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PodTarget:
+  """Which pod slice, and how gcloud reaches it."""
+  tpu: str
+  zone: str
+  project: str | None = None
+  internal_ip: bool = False
+
+  def gcloud_flags(self) -> list[str]:
+    out = ['--worker=all', f'--zone={self.zone}']
+    if self.project:
+      out.append(f'--project={self.project}')
+    if self.internal_ip:
+      out.append('--internal-ip')
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """One thing the launch does: a command, or (argv None) packing the source locally."""
+  description: str
+  argv: tuple[str, ...] | None = None
+
+  def render(self) -> str:
+    """The description as a comment, then the command as a shell would take it."""
+    return f'# {self.description}' + (
+        f'\n{" ".join(shell_word(a) for a in self.argv)}' if self.argv else '')
+
+
+def shell_word(arg: str) -> str:
+  """`arg` quoted for a POSIX shell, readably: `--flag="a b"` where double quotes are safe
+  (no $, `, \\, ! or " inside), else shlex's single quotes."""
+  if shlex.quote(arg) == arg:
+    return arg
+  name, sep, value = arg.partition('=')
+  if not any(c in arg for c in '"$`\\!'):
+    if sep and name.startswith('--') and shlex.quote(name) == name:
+      return f'{name}="{value}"'
+    return f'"{arg}"'
+  return shlex.quote(arg)
+
+
+def check_train_flags(train_flags: Sequence[str]) -> None:
+  """launch.train's flags as given after `--`: a config, and none of the ones set here."""
+  names = [f.split('=', 1)[0] for f in train_flags]
+  own = [n for n in names if n in _OWN_TRAIN_FLAGS]
+  if own:
+    raise PodLaunchError(f'{", ".join(own)} after "--" would override what {PROGRAM} sets on '
+                         'every worker; pass --workdir before "--" and leave the process flags '
+                         'to JAX\'s auto-detection.')
+  if '--config' not in names:
+    raise PodLaunchError('launch.train needs --config=configs/NAME.py after "--".')
+
+
+def check_workdir(workdir: str, shared: bool) -> None:
+  if not workdir:
+    raise PodLaunchError('--workdir is required: the run\'s workdir, shared by all workers.')
+  if not workdir.startswith('gs://') and not shared:
+    raise PodLaunchError(f'--workdir={workdir} is not on shared storage: each worker has its own '
+                         'disk, so use a gs:// path, or pass --shared_workdir if it is a '
+                         'filesystem every worker mounts.')
+
+
+def _env_prefix(env: Sequence[str]) -> list[str]:
+  for item in env:
+    key, sep, _ = item.partition('=')
+    if not sep or not key.isidentifier():
+      raise PodLaunchError(f'--env takes KEY=VALUE, got {item!r}.')
+  return ['env', *env] if env else []
+
+
+def train_command(train_flags: Sequence[str], workdir: str, remote_dir: str,
+                  env: Sequence[str] = (), detach: bool = False) -> str:
+  """The shell command every worker runs (quoted for its shell)."""
+  argv = [*_env_prefix(env), 'python3', '-m', 'launch.train', *train_flags,
+          f'--workdir={workdir}', '--num_processes=-1']
+  command = f'cd {shlex.quote(remote_dir)} && '
+  if detach:
+    return command + f'nohup {shlex.join(argv)} > train.log 2>&1 < /dev/null &'
+  return command + shlex.join(argv)
+
+
+def install_command(remote_dir: str, jax_requirement: str) -> str:
+  """Unpack the archive into remote_dir and install it (with JAX for TPUs) on a worker."""
+  d = shlex.quote(remote_dir)
+  return (f'set -e; mkdir -p {d}; tar -xzf {ARCHIVE} -C {d}; cd {d}; '
+          f'python3 -m pip install --quiet --upgrade {shlex.quote(jax_requirement)} .')
+
+
+def plan(target: PodTarget, train_flags: Sequence[str], *, workdir: str, install: str,
+         remote_dir: str, jax_requirement: str, staging_dir: str, env: Sequence[str] = (),
+         detach: bool = False, output_directory: str | None = None,
+         shared_workdir: bool = False) -> list[Step]:
+  """Every step of the launch, in order (see the module docstring).
+
+  Raises:
+    PodLaunchError: bad flags, before anything runs.
+  """
+  check_workdir(workdir, shared_workdir)
+  check_train_flags(train_flags)
+  if not remote_dir or remote_dir.startswith(('/', '~')) or '..' in remote_dir.split('/'):
+    raise PodLaunchError(f'--remote_dir must be a path inside the home directory, got '
+                         f'{remote_dir!r}.')
+  ssh = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', target.tpu, *target.gcloud_flags()]
+  steps = []
+  if install == 'source':
+    archive = os.path.join(staging_dir, ARCHIVE)
+    steps += [
+        Step(f'pack {ROOT} (files git tracks or would track) into {archive}'),
+        Step('copy it to every worker',
+             ('gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', archive, f'{target.tpu}:{ARCHIVE}',
+              *target.gcloud_flags())),
+        Step(f'unpack and install it on every worker (~/{remote_dir})',
+             (*ssh, f'--command={install_command(remote_dir, jax_requirement)}')),
+    ]
+  run = [*ssh, f'--command={train_command(train_flags, workdir, remote_dir, env, detach)}']
+  if output_directory:
+    run.append(f'--output-directory={output_directory}')
+  steps.append(Step('train on every worker' + (
+      f' (in the background; logs: ~/{remote_dir}/train.log)' if detach else ''), tuple(run)))
+  return steps
+
+
+def source_files(root: pathlib.Path) -> list[str]:
+  """The files of the checkout git tracks or would track (not ignored), that exist."""
+  listed = subprocess.run(
+      ['git', '-C', str(root), 'ls-files', '-z', '--cached', '--others', '--exclude-standard'],
+      check=True, capture_output=True).stdout.decode().split('\0')
+  return sorted({f for f in listed if f and (root / f).is_file()})
+
+
+def pack_source(root: pathlib.Path, archive: pathlib.Path) -> int:
+  """Writes the checkout's source files into a .tar.gz; returns how many."""
+  files = source_files(root)
+  archive.parent.mkdir(parents=True, exist_ok=True)
+  with tarfile.open(archive, 'w:gz') as tar:
+    for name in files:
+      tar.add(root / name, arcname=name)
+  return len(files)
+
+
+def main(argv):
+  train_flags = argv[1:]
+  try:
+    flags_missing = [name for name in ('tpu', 'zone') if not FLAGS[name].value]
+    if flags_missing:
+      raise PodLaunchError(f'--{" and --".join(flags_missing)} required.')
+    target = PodTarget(FLAGS.tpu, FLAGS.zone, FLAGS.project, FLAGS.internal_ip)
+    steps = plan(target, train_flags, workdir=FLAGS.workdir, install=FLAGS.install,
+                 remote_dir=FLAGS.remote_dir, jax_requirement=FLAGS.jax_requirement,
+                 staging_dir=FLAGS.staging_dir, env=FLAGS.env, detach=FLAGS.detach,
+                 output_directory=FLAGS.output_directory, shared_workdir=FLAGS.shared_workdir)
+  except PodLaunchError as e:
+    cli.fail(PROGRAM, e, cli.USAGE)
+  for step in steps:
+    print(step.render(), flush=True)
+    if FLAGS.dry_run:
+      continue
+    if step.argv is None:
+      count = pack_source(ROOT, pathlib.Path(FLAGS.staging_dir) / ARCHIVE)
+      print(f'# packed {count} files', flush=True)
+      continue
+    code = subprocess.run(step.argv, check=False).returncode
+    if code:
+      cli.fail(PROGRAM, RuntimeError(f'"{step.description}" failed: {shlex.join(step.argv[:6])} '
+                                     f'... exited with code {code}.'),
+               code if 0 < code < 128 else cli.ERROR)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=cli.flags_parser(PROGRAM))
