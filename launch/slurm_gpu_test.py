@@ -1,0 +1,91 @@
+"""launch/slurm_gpu.sbatch under a stand-in `srun`: the exact command every task runs, the
+named errors for missing variables, and (slow) two tasks on this machine that find their place
+in the run through JAX's SLURM auto-detection alone."""
+
+import json
+import os
+import pathlib
+import re
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from launch import multiprocess
+from mtp.train import writers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / 'launch' / 'slurm_gpu.sbatch'
+
+
+def _fake_srun(directory: pathlib.Path, body: str) -> dict:
+  """An `srun` executable in `directory`, first on PATH in the returned environment."""
+  srun = directory / 'srun'
+  srun.write_text(f'#!{sys.executable}\n' + textwrap.dedent(body))
+  srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+  env = {k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}
+  env['PATH'] = f'{directory}{os.pathsep}{env["PATH"]}'
+  return env
+
+
+def _sbatch(env, *args):
+  return subprocess.run(['bash', str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                        timeout=600, cwd=ROOT)
+
+
+def test_every_task_runs_launch_train_with_auto_detection(tmp_path):
+  env = _fake_srun(tmp_path, '''
+      import json, os, sys
+      print(json.dumps({"cwd": os.getcwd(), "argv": sys.argv[1:]}))''')
+  env.update(CONFIG='configs/code_small.py', WORKDIR='/shared/runs/a b', MTP_DIR=str(ROOT))
+  done = _sbatch(env, '--config.num_train_steps=20000', '--config.data.corpus=/data/x y')
+  assert done.returncode == 0, done.stderr
+  ran = json.loads(done.stdout)
+  assert ran == {'cwd': str(ROOT), 'argv': [
+      '--kill-on-bad-exit=1', 'python3', '-m', 'launch.train', '--config=configs/code_small.py',
+      '--workdir=/shared/runs/a b', '--num_processes=-1', '--heartbeat_timeout_s=100',
+      '--config.num_train_steps=20000', '--config.data.corpus=/data/x y']}
+
+
+@pytest.mark.parametrize('missing', ['CONFIG', 'WORKDIR'])
+def test_a_missing_variable_is_named(tmp_path, missing):
+  env = _fake_srun(tmp_path, 'raise SystemExit("srun must not run")')
+  env.update(CONFIG='configs/tiny.py', WORKDIR='/w')
+  del env[missing]
+  done = _sbatch(env)
+  assert done.returncode != 0
+  assert f'{missing}: set {missing}' in done.stderr
+
+
+def test_the_directives_ask_one_task_per_gpu_per_node():
+  directives = dict(re.findall(r'^#SBATCH --([\w-]+)(?:=(\S+))?', SCRIPT.read_text(), re.M))
+  assert directives['ntasks-per-node'] == directives['gpus-per-node']
+  assert 'gpus-per-task' not in directives  # Each task must see every GPU of its node.
+  assert directives['signal'] == 'TERM@120' and 'requeue' in directives
+
+
+@pytest.mark.slow
+def test_two_tasks_train_through_slurm_auto_detection(tmp_path):
+  # srun's part: one process per task, each with the variables SLURM gives a task.
+  env = _fake_srun(tmp_path, '''
+      import os, subprocess, sys
+      args = sys.argv[1:]
+      while args[0].startswith('-'):
+        args.pop(0)
+      n = int(os.environ['SLURM_NTASKS'])
+      tasks = [subprocess.Popen(args, env=dict(os.environ, SLURM_PROCID=str(i),
+                                                SLURM_LOCALID=str(i))) for i in range(n)]
+      sys.exit(max(abs(t.wait()) for t in tasks))''')
+  env.pop('XLA_FLAGS', None)  # One CPU device per task.
+  env.update(CONFIG='configs/tiny.py', WORKDIR=str(tmp_path / 'run'), MTP_DIR=str(ROOT),
+             PYTHON=sys.executable, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu',
+             SLURM_JOB_ID='4242', SLURM_NTASKS='2', SLURM_STEP_NODELIST='localhost',
+             SLURM_JOB_NODELIST='localhost', JAX_COORDINATOR_PORT=str(multiprocess.free_port()))
+  done = _sbatch(env, '--config.num_train_steps=2', '--config.log_every_steps=1',
+                 '--config.eval_steps=0')
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'Process 1 of 2.' in done.stderr and 'Process 0 of 2.' in done.stderr
+  records = [r for r in writers.read_metrics(tmp_path / 'run') if 'loss' in r]
+  assert [r['step'] for r in records] == [1, 2]
