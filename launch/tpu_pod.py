@@ -1,7 +1,7 @@
 r"""Trains on every worker of a Cloud TPU pod slice with one command.
 
   python -m launch.tpu_pod --tpu=NAME --zone=ZONE [--project=P] --workdir=gs://BUCKET/run \
-      [--dry_run] [--install=source|none] [--env=KEY=VALUE ...] [--detach] \
+      [--dry_run] [--install=source|none] [--env=KEY=VALUE ...] [--kill_stale] [--detach] \
       -- --config=configs/code_small.py [--config.num_train_steps=... other launch.train flags]
 
 What it runs, in order (`--dry_run` prints these commands and runs nothing):
@@ -75,6 +75,9 @@ flags.DEFINE_bool('internal_ip', False, 'Reach the workers by internal IP (from 
                   'VPC).')
 flags.DEFINE_string('output_directory', None, 'Also write each worker\'s output to a log file '
                     'in this local directory (gcloud --output-directory).')
+flags.DEFINE_bool('kill_stale', False, 'First kill, on every worker, the processes holding the '
+                  'TPU (a previous run that did not exit), which would make this one fail '
+                  'with "TPU in use".')
 flags.DEFINE_bool('detach', False, 'Run under nohup on the workers (log: REMOTE_DIR/train.log) '
                   'and return at once.')
 
@@ -154,12 +157,17 @@ def _env_prefix(env: Sequence[str]) -> list[str]:
   return ['env', *env] if env else []
 
 
+# Processes holding a TPU's device files: /dev/accel* (v2-v4), /dev/vfio/<n> (v5e and later).
+KILL_STALE = 'sudo fuser -k -KILL /dev/accel* /dev/vfio/[0-9]* 2>/dev/null; '
+
+
 def train_command(train_flags: Sequence[str], workdir: str, remote_dir: str,
-                  env: Sequence[str] = (), detach: bool = False) -> str:
+                  env: Sequence[str] = (), detach: bool = False,
+                  kill_stale: bool = False) -> str:
   """The shell command every worker runs (quoted for its shell)."""
   argv = [*_env_prefix(env), 'python3', '-m', 'launch.train', *train_flags,
           f'--workdir={workdir}', '--num_processes=-1']
-  command = f'cd {shlex.quote(remote_dir)} && '
+  command = (KILL_STALE if kill_stale else '') + f'cd {shlex.quote(remote_dir)} && '
   if detach:
     return command + f'nohup {shlex.join(argv)} > train.log 2>&1 < /dev/null &'
   return command + shlex.join(argv)
@@ -175,7 +183,7 @@ def install_command(remote_dir: str, jax_requirement: str) -> str:
 def plan(target: PodTarget, train_flags: Sequence[str], *, workdir: str, install: str,
          remote_dir: str, jax_requirement: str, staging_dir: str, env: Sequence[str] = (),
          detach: bool = False, output_directory: str | None = None,
-         shared_workdir: bool = False) -> list[Step]:
+         shared_workdir: bool = False, kill_stale: bool = False) -> list[Step]:
   """Every step of the launch, in order (see the module docstring).
 
   Raises:
@@ -198,7 +206,8 @@ def plan(target: PodTarget, train_flags: Sequence[str], *, workdir: str, install
         Step(f'unpack and install it on every worker (~/{remote_dir})',
              (*ssh, f'--command={install_command(remote_dir, jax_requirement)}')),
     ]
-  run = [*ssh, f'--command={train_command(train_flags, workdir, remote_dir, env, detach)}']
+  command = train_command(train_flags, workdir, remote_dir, env, detach, kill_stale)
+  run = [*ssh, f'--command={command}']
   if output_directory:
     run.append(f'--output-directory={output_directory}')
   steps.append(Step('train on every worker' + (
@@ -234,7 +243,8 @@ def main(argv):
     steps = plan(target, train_flags, workdir=FLAGS.workdir, install=FLAGS.install,
                  remote_dir=FLAGS.remote_dir, jax_requirement=FLAGS.jax_requirement,
                  staging_dir=FLAGS.staging_dir, env=FLAGS.env, detach=FLAGS.detach,
-                 output_directory=FLAGS.output_directory, shared_workdir=FLAGS.shared_workdir)
+                 output_directory=FLAGS.output_directory, shared_workdir=FLAGS.shared_workdir,
+                 kill_stale=FLAGS.kill_stale)
   except PodLaunchError as e:
     cli.fail(PROGRAM, e, cli.USAGE)
   for step in steps:

@@ -105,3 +105,12 @@ def test_the_archive_holds_the_checkout_source_and_nothing_ignored(tmp_path):
   assert not any(n.startswith(('.venv/', '.git/')) or '__pycache__' in n for n in names)
   assert pathlib.Path(tpu_pod.ROOT / 'launch' / 'tpu_pod.py').name in {
       pathlib.Path(n).name for n in names}
+
+
+@flagsaver.flagsaver
+def test_kill_stale_frees_the_tpu_before_training(capsys):
+  out = _dry_run(capsys, '--tpu=p', '--zone=z', '--dry_run', '--install=none',
+                 '--workdir=gs://b/r', '--kill_stale', '--', '--config=c.py')
+  command = shlex.split(out.splitlines()[1])[-1].removeprefix('--command=')
+  assert command == (tpu_pod.KILL_STALE + 'cd mtp && python3 -m launch.train --config=c.py '
+                     '--workdir=gs://b/r --num_processes=-1')
