@@ -1,6 +1,7 @@
 """Multi-process training on localhost through launch.multiprocess, as a pod runs launch.train:
 two processes (jax.distributed, gloo, one CPU device each) train like one process on the same
-batches, and a process killed mid-run stops the run with one line naming it."""
+batches, and a process killed mid-run stops the run with one line naming it; without the runner,
+the heartbeat timeout ends the survivor."""
 
 import os
 import pathlib
@@ -14,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from launch import multiprocess
 from mtp.train import writers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -74,3 +76,40 @@ def test_a_killed_process_stops_the_run_with_one_line_naming_it(tmp_path):
   for pid in pids:
     with pytest.raises(ProcessLookupError):
       os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_without_the_runner_a_dead_peer_ends_the_survivor_within_the_heartbeat_timeout(tmp_path):
+  """A pod has no runner watching its workers: launch.train's --heartbeat_timeout_s bounds how
+  long the survivors wait for a dead one (JAX's coordination service, on process 0, stops
+  hearing from it and ends every process)."""
+  heartbeat_s = 5
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+  env.pop('XLA_FLAGS', None)
+  commands = multiprocess.process_commands(
+      'launch.train', [f'--config={TINY}', f'--workdir={tmp_path}', '--config.log_every_steps=1',
+                       '--config.eval_steps=0', '--config.num_train_steps=100000',
+                       f'--heartbeat_timeout_s={heartbeat_s}'],
+      2, f'localhost:{multiprocess.free_port()}')
+  logs = [open(tmp_path / f'log{i}.txt', 'w') for i in range(2)]  # pylint: disable=consider-using-with
+  procs = [subprocess.Popen(c, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+           for c, log in zip(commands, logs)]
+  try:
+    metrics = tmp_path / 'metrics.jsonl'
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.stat().st_size):
+      assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+      time.sleep(0.2)
+    procs[1].kill()
+    killed_at = time.monotonic()
+    code = procs[0].wait(timeout=heartbeat_s + 60)
+    elapsed = time.monotonic() - killed_at
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+    for log in logs:
+      log.close()
+  assert code != 0
+  assert elapsed < heartbeat_s + 30, elapsed
+  assert 'heartbeat' in (tmp_path / 'log0.txt').read_text()
