@@ -4,8 +4,9 @@ r"""Train-step compile time against depth, scanned against unrolled, and the mem
 
 Compile time: the joint train step (trunk, Medusa heads, fused loss, AdamW update) of a narrow
 model (`--width`) at each depth, with `model.scan_layers` False and True. Tracing and lowering
-(`lower`) and XLA's compilation (`compile`) are timed apart; the persistent compilation cache
-is off, so every program compiles from scratch.
+(`lower`) and XLA's compilation (`compile`) are timed apart, in wall seconds and in this
+process's CPU seconds (steadier on a shared machine); the persistent compilation cache is off,
+so every program compiles from scratch.
 
 Remat memory: the compiled train step's `memory_analysis()` temporaries (bytes XLA allocates
 beyond arguments and outputs) of a scanned trunk at `--memory_depth` layers and a longer
@@ -52,7 +53,8 @@ def make_config(num_layers: int, width: int, scan_layers: bool, remat: str = 'no
 
 
 def compiled_step(config):
-  """(seconds to trace and lower, seconds to compile, the compiled train step)."""
+  """(seconds to trace and lower, seconds to compile, CPU seconds to compile, the compiled
+  train step)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from mtp.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
@@ -64,9 +66,10 @@ def compiled_step(config):
                          segment_ids=jax.ShapeDtypeStruct((b, t), jnp.int32))
   start = time.perf_counter()
   lowered = trainer.train_step.lower(trainer.abstract_state_with_shardings(), batch)
-  lowered_at = time.perf_counter()
+  lowered_at, cpu_start = time.perf_counter(), time.process_time()
   compiled = lowered.compile()
-  return lowered_at - start, time.perf_counter() - lowered_at, compiled
+  return (lowered_at - start, time.perf_counter() - lowered_at, time.process_time() - cpu_start,
+          compiled)
 
 
 def main(argv):
@@ -75,19 +78,21 @@ def main(argv):
   jax.config.update('jax_enable_compilation_cache', False)
   rows = []
   print(f'Train-step compile time, width {FLAGS.width} (seconds: trace+lower / compile)')
-  print(f'{"layers":>7} {"unrolled lower":>15} {"compile":>8} {"scanned lower":>14} '
-        f'{"compile":>8} {"compile ratio":>14}')
+  print(f'{"layers":>7} {"unrolled lower":>15} {"compile":>8} {"(cpu)":>7} {"scanned lower":>14} '
+        f'{"compile":>8} {"(cpu)":>7} {"cpu ratio":>10}')
   for depth in [int(d) for d in FLAGS.depths]:
     row = {'num_layers': depth}
     for scanned in (False, True):
-      lower_s, compile_s, _ = compiled_step(make_config(depth, FLAGS.width, scanned))
+      lower_s, compile_s, cpu_s, _ = compiled_step(make_config(depth, FLAGS.width, scanned))
       name = 'scanned' if scanned else 'unrolled'
       row[f'{name}_lower_s'] = round(lower_s, 3)
       row[f'{name}_compile_s'] = round(compile_s, 3)
+      row[f'{name}_compile_cpu_s'] = round(cpu_s, 3)
     rows.append(row)
     print(f'{depth:>7} {row["unrolled_lower_s"]:>15.2f} {row["unrolled_compile_s"]:>8.2f} '
-          f'{row["scanned_lower_s"]:>14.2f} {row["scanned_compile_s"]:>8.2f} '
-          f'{row["unrolled_compile_s"] / row["scanned_compile_s"]:>13.1f}x')
+          f'{row["unrolled_compile_cpu_s"]:>7.2f} {row["scanned_lower_s"]:>14.2f} '
+          f'{row["scanned_compile_s"]:>8.2f} {row["scanned_compile_cpu_s"]:>7.2f} '
+          f'{row["unrolled_compile_cpu_s"] / row["scanned_compile_cpu_s"]:>9.1f}x', flush=True)
 
   memory = []
   print(f'\nRemat: compiled train step memory, {FLAGS.memory_depth} layers, seq '
@@ -96,7 +101,7 @@ def main(argv):
   for scanned, policy in [(True, p) for p in POLICIES] + [(False, 'none'), (False, 'full')]:
     config = make_config(FLAGS.memory_depth, FLAGS.width, scanned, policy,
                          seq_len=FLAGS.memory_seq_len)
-    _, _, compiled = compiled_step(config)
+    *_, compiled = compiled_step(config)
     m = compiled.memory_analysis()
     peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes)
