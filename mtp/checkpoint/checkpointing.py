@@ -314,10 +314,13 @@ def _restore_parts(workdir: pathlib.Path, target: nnx.State, step: int | None,
 
 
 def _saved_layout(directory: pathlib.Path) -> str | None:
-  """The layer layout of a saved parameter tree (None when it holds no trunk)."""
+  """The layer layout of a saved parameter tree (None when it holds no trunk, or when its
+  metadata is unreadable: the restore then names the damage)."""
   handler = ocp.StandardCheckpointHandler()
   try:
     metadata = handler.metadata(directory).tree
+  except Exception:  # pylint: disable=broad-except  # Orbax raises many types.
+    return None
   finally:
     handler.close()
   return layout.tree_layout(layout.nest(_flat(metadata)))
