@@ -65,6 +65,14 @@ def test_bad_layers_are_named():
     layout.unstack_layers({'w': np.zeros((2, 3)), 'v': np.zeros((3, 3))})
 
 
+def test_bad_settings_are_named():
+  cfg = testing.tiny_config().trunk
+  with pytest.raises(ValueError, match='model.scan_layers must be true or false'):
+    dataclasses.replace(cfg, scan_layers='yes').validate()
+  with pytest.raises(ValueError, match='dots_saveable'):
+    dataclasses.replace(cfg, remat='dots').validate()
+
+
 def _inputs(b=2, t=12):
   tokens = jnp.asarray(testing.random_tokens((b, t), 61, seed=3))
   segments = jnp.asarray(np.repeat([[1] * (t // 2) + [2] * (t - t // 2)], b, 0), jnp.int32)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.parallel import mesh as mesh_lib
 
 Array = jax.Array
 # What the backward pass recomputes (training only): 'none'; 'heads' (the MTP heads' layers);
@@ -91,6 +92,8 @@ class TransformerConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'model.remat must be one of {", ".join(REMAT_POLICIES)}, got '
                        f'{self.remat!r}.')
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f'model.scan_layers must be true or false, got {self.scan_layers!r}.')
     if self.head_dim % 2:
       raise ValueError(f'model.head_dim must be even for rotary embeddings, got {self.head_dim}.')
 
@@ -219,9 +222,10 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x, positions, mask, cache=None, lengths=None):
+    x = mesh_lib.constrain_batch(x)  # Rows split over the batch axes in a sharded train step.
     attended, cache = self.attn(self.attn_norm(x), positions, mask, cache, lengths)
     x = x + attended
-    return x + self.mlp(self.mlp_norm(x)), cache
+    return mesh_lib.constrain_batch(x + self.mlp(self.mlp_norm(x))), cache
 
 
 def _block_output(block, x, positions, mask):
