@@ -5,8 +5,9 @@ r"""The README demo: train the default MTP model on the standard library, evalua
 Trains configs/code_small.py (or resumes/reuses the workdir), prints the learning curve and the
 next-token and per-head accuracy on held-out code (installed packages outside the standard
 library, which the model never saw), and writes learning_curve.png into the workdir. Then it
-completes held-out code prompts greedily at batch 1 with both decoders and prints the tokens/s
-of each, the speedup, the mean accepted tokens per step, and whether the outputs matched token
+completes held-out code prompts greedily at batch 1 with each decoder (autoregressive,
+speculative, and 'auto', the default, which stops drafting where it does not pay) and prints
+the tokens/s of each, the speedup, the tokens per step, and whether the outputs matched token
 for token (they must: the exit status is 1 if not).
 """
 
@@ -75,7 +76,11 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
 
 
 def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str) -> bool:
-  """Greedy batch-1 decoding of held-out code with both decoders; True if outputs matched."""
+  """Greedy batch-1 decoding of held-out code with each decoder; True if outputs matched.
+
+  'auto' (the default of `mtp.generate`) drafts like 'speculative' and stops drafting where it
+  does not pay (`mtp.decode.auto`); both must give the autoregressive tokens exactly.
+  """
   import mtp
   from mtp.data import corpora
   from mtp.decode import calibration
@@ -84,31 +89,34 @@ def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str) -
                                      max_tokens=128, min_tokens=64)
   print(f'\n== Decoding {len(prompts)} held-out code prompts greedily at batch 1, '
         f'{max_new_tokens} new tokens each (compilation excluded; best of 2 runs):')
-  runs = {'autoregressive': [], 'speculative': []}
-  for _ in range(2):  # Alternate, so that load from other processes hits both alike.
+  runs = {'autoregressive': [], 'speculative': [], 'auto': []}
+  for _ in range(2):  # Alternate, so that load from other processes hits all alike.
     for decoder in runs:
       runs[decoder].append(mtp.generate(
           loaded, prompts, max_new_tokens=max_new_tokens, decoder=decoder, batch_size=1,
-          tree=tree if decoder == 'speculative' else None))
+          tree=None if decoder == 'autoregressive' else tree))
   speed = {}
   for decoder, generations in runs.items():
     tokens = sum(len(g.tokens) for g in generations[0])
     speed[decoder] = max(tokens / sum(g.seconds for g in gens) for gens in generations)
-  ar, spec = runs['autoregressive'][0], runs['speculative'][0]
-  steps = sum(g.num_steps for g in spec)
-  emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in spec)
-  matched = [a.tokens == s.tokens for a, s in zip(ar, spec)]
-  print(f'  autoregressive: {speed["autoregressive"]:7.1f} tokens/s')
-  print(f'  speculative:    {speed["speculative"]:7.1f} tokens/s ({tree}), '
-        f'{emitted / max(steps, 1):.2f} tokens accepted per step')
-  print(f'  speedup:        {speed["speculative"] / speed["autoregressive"]:.2f}x')
-  print(f'  outputs matched token for token: {"yes" if all(matched) else "NO"} '
-        f'({sum(matched)}/{len(matched)} prompts)')
-  sample = spec[0]
+  reference = runs['autoregressive'][0]
+  print(f'  {"autoregressive":<15} {speed["autoregressive"]:7.1f} tokens/s')
+  all_matched = True
+  for decoder in ('speculative', 'auto'):
+    gens = runs[decoder][0]
+    steps = sum(g.num_steps for g in gens)
+    emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in gens)
+    matched = [a.tokens == s.tokens for a, s in zip(reference, gens)]
+    all_matched &= all(matched)
+    print(f'  {decoder:<15} {speed[decoder]:7.1f} tokens/s ({tree}): '
+          f'{speed[decoder] / speed["autoregressive"]:.2f}x, '
+          f'{emitted / max(steps, 1):.2f} tokens per step, outputs matched: '
+          f'{"yes" if all(matched) else "NO"} ({sum(matched)}/{len(matched)} prompts)')
+  sample = runs['auto'][0][0]
   completion = ''.join(sample.completion.splitlines(True)[:12])  # A glimpse, not a page.
   print(f'\n  Sample (the prompt\'s last lines, then the completion after >>>):\n'
         f'{"".join(sample.prompt.splitlines(True)[-4:])}>>>{completion}')
-  return all(matched)
+  return all_matched
 
 
 def main(argv):

@@ -26,7 +26,7 @@ flags.DEFINE_integer('max_batch', 8, 'Rows decoded together at most.')
 flags.DEFINE_float('max_wait_ms', 10.0, 'How long a request waits for others to batch with.')
 flags.DEFINE_integer('max_queue', 256, 'Requests waiting for a batch at most; more get 503.')
 flags.DEFINE_string('model_name', 'mtp', 'The model id that /v1/models lists.')
-flags.DEFINE_enum('decoder', decoders.DEFAULT, list(decoders.NAMES),
+flags.DEFINE_enum('decoder', decoders.SERVED_DEFAULT, list(decoders.SERVED),
                   'Decoder of requests that name none (a request may set "decoder").')
 flags.DEFINE_integer('default_max_tokens', 16, 'max_tokens of requests that give none.')
 flags.DEFINE_bool('exact', True, 'Row-mapped batches: every greedy request gets exactly its '
@@ -55,7 +55,7 @@ def main(argv):
       raise ValueError(f'{FLAGS.workdir} is a jax_export artifact: it runs a whole decode per '
                        'call and cannot join continuous batches; serve the training workdir '
                        'or a params export')
-    names = [d for d in decoders.NAMES
+    names = [d for d in decoders.SERVED
              if loaded.model.cfg.mtp_num_heads or not decoders.get(d).drafts]
     application, batcher = server.build(
         loaded, max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms,

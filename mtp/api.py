@@ -159,8 +159,11 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     loaded_or_workdir: `mtp.load(...)`'s result, or a workdir or export directory to load.
     prompts: one prompt or a list.
     max_new_tokens: tokens to generate per prompt at most (EOS stops earlier).
-    decoder: a name in `decoders.NAMES`: 'speculative' (the model's heads draft, its trunk
-      verifies; same output distribution) or 'autoregressive'.
+    decoder: a name in `decoders.NAMES`: 'auto' (the default: speculative decoding that stops
+      drafting for the rest of a batch once it stops paying, judged against drafting's
+      break-even measured once on this hardware, `decode.auto`; autoregressive for a model
+      without heads), 'speculative' (the model's heads draft, its trunk verifies; same output
+      distribution) or 'autoregressive'.
     temperature: 0 = greedy; else sampling from softmax(logits / temperature).
     top_k: keep the k most likely tokens (0 = all).
     top_p: nucleus mass in (0, 1] (1 = all).
@@ -230,6 +233,10 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   for _ in itertools.islice(warm, 2):
     pass
   warm.close()
+  break_even = 0.0
+  if request.fallback:  # 'auto': what a drafting step costs here, timed on the same program.
+    from mtp.decode import auto
+    break_even = auto.break_even(prepared, batches[0][1], batches[0][2], request)
 
   results = []
   root_key = jax.random.key(seed)
@@ -238,10 +245,11 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     start = time.perf_counter()
     if on_text is None:
       out = jax.device_get(driver.decode(prepared, tokens, row_lengths, request, rng=rng,
-                                         **special))
+                                         break_even=break_even, **special))
     else:
       chunks = driver.decode_chunks(prepared, tokens, row_lengths, request,
-                                    steps_per_chunk=steps_per_chunk, rng=rng, **special)
+                                    steps_per_chunk=steps_per_chunk, rng=rng,
+                                    break_even=break_even, **special)
       for update in streaming.text_updates(chunks, tokenizer, max_new_tokens=max_new_tokens,
                                            eos_id=tokenizer.eos_id):
         for row, prompt_index in enumerate(rows):
@@ -320,6 +328,8 @@ def _generate_exported(artifact: runtime.LoadedArtifact, texts: list[str], *,
   sampling_lib.validate_sampling(temperature, top_k, top_p, artifact.vocab_size)
   if not decoders.get(decoder).drafts and (tree is not None or lookup):
     raise ValueError(f'tree and lookup apply to the drafting decoders only, not to {decoder!r}')
+  if decoders.get(decoder).adaptive:  # Exported loops hold no fallback: their speculative one.
+    decoder = 'speculative' if 'speculative' in artifact.decoders else 'autoregressive'
   program = artifact.program(decoder, temperature=temperature, top_k=top_k, top_p=top_p,
                              tree=tree, lookup=lookup, max_new_tokens=max_new_tokens)
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)

@@ -135,19 +135,20 @@ def step_cost(model, *, cache_dir: str | None = None,
   token_counts = tuple(sorted(set(int(t) for t in token_counts) | {1}))
   path = os.path.join(cache_dir or default_cache_dir(), _FILE_NAME)
   key = f'{device_kind()}|{model_key(model)}|B{batch_size}|T{",".join(map(str, token_counts))}'
-  table = _read(path)
+  table = read_table(path)
   if not refresh and key in table:
     return {int(t): float(c) for t, c in table[key]['relative'].items()}
   seconds = measure_step_cost(model, token_counts, batch_size=batch_size, **measure_kwargs)
   curve = relative(seconds)
-  table = _read(path)  # Another process may have written meanwhile: keep its entries.
+  table = read_table(path)  # Another process may have written meanwhile: keep its entries.
   table[key] = {'relative': {str(t): c for t, c in curve.items()},
                 'seconds': {str(t): c for t, c in seconds.items()}}
-  _write(path, table)
+  write_table(path, table)
   return curve
 
 
-def _read(path: str) -> dict:
+def read_table(path: str) -> dict:
+  """The JSON table cached at `path`; {} when missing or corrupt (then measured again)."""
   try:
     with open(path) as f:
       table = json.load(f)
@@ -156,7 +157,8 @@ def _read(path: str) -> dict:
     return {}  # Missing or corrupt: measure again.
 
 
-def _write(path: str, table: dict) -> None:
+def write_table(path: str, table: dict) -> None:
+  """Writes the table atomically (readers never see half a file)."""
   directory = os.path.dirname(path)
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, suffix='.tmp')

@@ -21,6 +21,9 @@ class Decoder:
     name: what users pass as `decoder=` / `--decoder`.
     drafts: whether the model's heads (and prompt lookup) draft candidates; False decodes one
       token per loop step and takes no tree or lookup options.
+    adaptive: drafting stops where it does not pay (`DecodeRequest.fallback`): after a few
+      steps, if the batch's tokens per step fall below drafting's break-even, measured on this
+      hardware (`mtp.decode.auto`); a model without heads decodes autoregressively.
     steps_per_chunk: loop steps per host round trip when streaming, by default.
     summary: one line for help texts.
   """
@@ -28,9 +31,14 @@ class Decoder:
   drafts: bool
   steps_per_chunk: int
   summary: str
+  adaptive: bool = False
 
 
 _REGISTRY = (
+    Decoder('auto', drafts=True, adaptive=True, steps_per_chunk=4,
+            summary='speculative decoding that stops drafting, for the rest of the call, once '
+            'it stops paying: when the tokens accepted per step fall below the measured cost of '
+            'a drafting step on this hardware (exact, as speculative)'),
     Decoder('speculative', drafts=True, steps_per_chunk=4,
             summary='the model\'s heads draft a tree of candidates, its trunk verifies them '
             '(exact: the output is distributed as autoregressive decoding\'s)'),
@@ -39,7 +47,11 @@ _REGISTRY = (
 )
 DECODERS: dict[str, Decoder] = {d.name: d for d in _REGISTRY}
 NAMES: tuple[str, ...] = tuple(DECODERS)
-DEFAULT = 'speculative'
+DEFAULT = 'auto'
+# Continuous batching (the server) splices requests into running loops, where one call's test
+# of whether drafting pays has no meaning: it serves the decoders that are not adaptive.
+SERVED: tuple[str, ...] = tuple(d.name for d in _REGISTRY if not d.adaptive)
+SERVED_DEFAULT = 'speculative'
 
 
 def get(name: str) -> Decoder:

@@ -30,6 +30,7 @@ batch of prompts once, such as `mtp.generate`).
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable, Iterator
 
 import flax.struct
@@ -37,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp.decode import decoders
 from mtp.decode import lookup as lookup_lib
 from mtp.decode import request as request_lib
 from mtp.decode import row_mapped
@@ -70,6 +70,9 @@ class LoopState:
     pad_id: [] int32 filler after a row's end.
     context: [B, C] every row's tokens by position, prompt included, for lookup drafts
       (position lengths holds last_token; later columns are stale); [B, 0] without lookup.
+    drafting: [] bool, False once drafting stopped paying (`DecodeRequest.fallback`): the
+      loop then decodes one token per pass.
+    break_even: [] float32 tokens per step below which drafting stops (`fallback` only).
   """
   tokens: Array
   num_generated: Array
@@ -84,6 +87,8 @@ class LoopState:
   eos_id: Array
   pad_id: Array
   context: Array
+  drafting: Array
+  break_even: Array
 
 
 # ------------------------------------------------------------------------------------------
@@ -155,7 +160,8 @@ def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_in
 
 @functools.partial(jax.jit, static_argnames=('structure', 'request'))
 def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
-           pad_id: Array, active: Array, request: DecodeRequest) -> LoopState:
+           pad_id: Array, active: Array, request: DecodeRequest,
+           break_even: Array | float = 0.0) -> LoopState:
   """Prefills [B, P] right-padded prompts: each row's first token and first drafts.
 
   active: [B] rows to prefill; the others (fillers) are marked done (row-mapped requests skip
@@ -192,7 +198,9 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
                    drafts=_drafts(tree, head_logits, context, lengths), lengths=lengths,
                    num_steps=jnp.zeros((b,), jnp.int32),
                    histogram=jnp.zeros((b, request.depth + 2), jnp.int32), cache=cache,
-                   rng=rng, eos_id=eos_id, pad_id=pad_id, context=context)
+                   rng=rng, eos_id=eos_id, pad_id=pad_id, context=context,
+                   drafting=jnp.asarray(request.drafts),
+                   break_even=jnp.asarray(break_even, jnp.float32))
 
 
 def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Array):
@@ -247,8 +255,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     i, s = carry
     return (i < max_steps) & ~jnp.all(s.done)
 
-  def body(carry):
-    i, s = carry
+  def draft_step(s: LoopState) -> LoopState:
     # Greedy decoding draws nothing: skip the split (a small loop of its own on CPU).
     rng, key = (s.rng, s.rng) if request.greedy else tuple(jax.random.split(s.rng))
     model = _model(base, request, ~s.done)
@@ -289,6 +296,41 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
         lengths=jnp.where(active, lengths, s.lengths),
         num_steps=s.num_steps + active, histogram=histogram, cache=cache, rng=rng,
         context=jnp.where(active[:, None], context, s.context))
+    return s
+
+  def one_token_step(s: LoopState) -> LoopState:
+    """Autoregressive decoding inside a drafting loop, once drafting stopped paying: the
+    heads neither run nor draft again (their cache layers and `drafts` go stale, unread)."""
+    rng, key = (s.rng, s.rng) if request.greedy else tuple(jax.random.split(s.rng))
+    model = _model(base, request, ~s.done)
+    out, cache = model.step(s.last_token[:, None], s.lengths[:, None], s.cache, s.lengths,
+                            with_heads=False)
+    next_token = _sample(key, _logits(model, out.normed[:, 0], request), request)
+    buffer, num_generated, done, kept = state_lib.append_tokens(
+        s.tokens, s.num_generated, s.done, next_token[:, None], jnp.ones_like(s.lengths),
+        eos_id=s.eos_id, pad_id=s.pad_id, max_new_tokens=request.max_new_tokens)
+    active = ~s.done
+    return s.replace(
+        tokens=buffer, num_generated=num_generated, done=done,
+        last_token=jnp.where(active, next_token, s.last_token),
+        lengths=s.lengths + active, num_steps=s.num_steps + active,
+        histogram=s.histogram + jax.nn.one_hot(kept, depth + 2, dtype=jnp.int32)
+        * active[:, None], cache=cache, rng=rng)
+
+  def still_pays(s: LoopState) -> Array:
+    """Whether drafting keeps up with its break-even: the batch's tokens per step so far."""
+    emitted = jnp.sum(s.histogram * jnp.arange(depth + 2, dtype=jnp.int32))
+    steps = jnp.sum(s.num_steps)
+    early = jnp.max(s.num_steps) < request.fallback_after_steps
+    return early | (emitted.astype(jnp.float32) >= s.break_even * steps.astype(jnp.float32))
+
+  def body(carry):
+    i, s = carry
+    if request.fallback:
+      s = jax.lax.cond(s.drafting, draft_step, one_token_step, s)
+      s = s.replace(drafting=s.drafting & still_pays(s))
+    else:
+      s = draft_step(s)
     return i + 1, s
 
   _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
@@ -315,7 +357,8 @@ def result(state: LoopState, max_new_tokens: int) -> DecodeResult:
 
 
 def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *, rng=None,
-           eos_id: int | None = None, pad_id: int = 0, hook_data=None) -> DecodeResult:
+           eos_id: int | None = None, pad_id: int = 0, hook_data=None,
+           break_even: float = 0.0) -> DecodeResult:
   """Decodes checked prompts (`request.check_prompts`) with a checked request.
 
   Args:
@@ -326,8 +369,11 @@ def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest,
     eos_id: a row stops after generating this token (kept in the output); None: never.
     pad_id: filler after a row's end in `tokens`.
     hook_data: pytree of arrays passed to `request.draft_hook` (traced: no recompilation).
+    break_even: 'auto' requests (`request.fallback`): drafting's break-even in tokens per step
+      (`auto.break_even` measures it; traced: no recompilation); 0: never stop drafting.
   """
-  prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id)
+  prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id,
+                           break_even=break_even)
   state = _run(prepared.structure, prepared.leaves, state, jnp.int32(request.max_new_tokens),
                hook_data, request)
   return result(state, request.max_new_tokens)
@@ -336,8 +382,8 @@ def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest,
 def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *,
                   steps_per_chunk: int, rng=None, eos_id: int | None = None, pad_id: int = 0,
                   hook_data=None, active=None,
-                  stop: Callable[[], np.ndarray | None] | None = None
-                  ) -> Iterator[DecodeResult]:
+                  stop: Callable[[], np.ndarray | None] | None = None,
+                  break_even: float = 0.0) -> Iterator[DecodeResult]:
   """Like `decode`, but yields the partial result (numpy) after the prefill and each chunk.
 
   The chunk size is not part of the compiled code; streaming costs one host round trip per
@@ -348,7 +394,7 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
     finished (a server's cancelled requests). Row-mapped requests then skip their work.
   """
   prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id,
-                           active)
+                           active, break_even)
   # Host copies: the next `_run` donates (invalidates) the state's device buffers.
   yield jax.device_get(result(state, request.max_new_tokens))
   while True:
@@ -363,8 +409,9 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
 
 
 def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, pad_id,
-           active=None):
+           active=None, break_even: float = 0.0):
   prepared = state_lib.prepare(model)
+  break_even = request_lib.check_break_even(break_even)
   if active is None:
     active = np.ones(np.shape(prompts)[0], bool)
   prompts, prompt_lengths, active = state_lib.shard_rows(
@@ -372,8 +419,37 @@ def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, 
       request.mesh)
   state = _start(prepared.structure, prepared.leaves, prompts, prompt_lengths,
                  state_lib.as_key(rng), jnp.int32(-1 if eos_id is None else eos_id),
-                 jnp.int32(pad_id), active, request)
+                 jnp.int32(pad_id), active, request, jnp.float32(break_even))
   return prepared, state
+
+
+def seconds_per_step(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *,
+                     drafting: bool, steps: int = 16, repeats: int = 3) -> float:
+  """Wall seconds per loop step of `request`'s compiled decoder on these prompts.
+
+  drafting: time drafting steps (break-even 0: drafting never stops) or, with a request that
+    can fall back (`request.fallback`), one-token steps: the same compiled loop, so that the
+    two are compared on equal terms and measuring compiles nothing that decoding will not use.
+  The fastest of `repeats` runs counts (after one that compiles); rows never stop at EOS.
+  """
+  if not drafting and not request.fallback:
+    raise ValueError('one-token steps of a request without fallback: time an autoregressive '
+                     'request instead')
+  prepared = state_lib.prepare(model)
+  best = float('inf')
+  for attempt in range(repeats + 1):
+    _, state = _begin(prepared, prompts, prompt_lengths, request, 0, None, 0)
+    if not drafting:
+      state = state.replace(drafting=jnp.asarray(False))
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    state = jax.block_until_ready(_run(prepared.structure, prepared.leaves, state,
+                                       jnp.int32(steps), None, request))
+    seconds = time.perf_counter() - start
+    taken = int(jnp.max(state.num_steps))
+    if attempt and taken:  # The first run compiles.
+      best = min(best, seconds / taken)
+  return best
 
 
 class Slots:
@@ -432,8 +508,8 @@ def _splice(state: LoopState, fresh: LoopState, rows: Array) -> LoopState:
 
 
 def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
-             decoder: str = decoders.DEFAULT, eos_id: int | None = None, pad_id: int = 0,
-             rng=None, hook_data=None, **options) -> DecodeResult:
+             decoder: str = 'speculative', eos_id: int | None = None, pad_id: int = 0,
+             rng=None, hook_data=None, break_even: float = 0.0, **options) -> DecodeResult:
   """Checks the request, then decodes: the one entry point of every decoder.
 
   Greedy (temperature 0) output of every decoder equals greedy autoregressive output token
@@ -446,7 +522,7 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
     prompt_lengths: [B] valid tokens per row (None: all P).
     max_new_tokens: tokens to generate per row at most.
     decoder: a name in `decoders.NAMES`.
-    eos_id, pad_id, rng, hook_data: as in `decode`.
+    eos_id, pad_id, rng, hook_data, break_even: as in `decode`.
     **options: the rest of `request.make_request`'s options: tree, lookup, temperature, top_k,
       top_p, cache_capacity, draft_hook, mesh.
 
@@ -459,13 +535,13 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   prompts, prompt_lengths, request = _checked(model, prompts, prompt_lengths, max_new_tokens,
                                               decoder, eos_id, hook_data, options)
   return decode(model, prompts, prompt_lengths, request, rng=rng, eos_id=eos_id, pad_id=pad_id,
-                hook_data=hook_data)
+                hook_data=hook_data, break_even=break_even)
 
 
 def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
-                    decoder: str = decoders.DEFAULT, steps_per_chunk: int | None = None,
+                    decoder: str = 'speculative', steps_per_chunk: int | None = None,
                     eos_id: int | None = None, pad_id: int = 0, rng=None, hook_data=None,
-                    **options) -> Iterator[DecodeResult]:
+                    break_even: float = 0.0, **options) -> Iterator[DecodeResult]:
   """`generate`, yielding the partial result after the prefill and each chunk of steps.
 
   steps_per_chunk: loop steps per host round trip (None: the decoder's default).
@@ -475,7 +551,7 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
                                               decoder, eos_id, hook_data, options)
   return decode_chunks(model, prompts, prompt_lengths, request,
                        steps_per_chunk=steps_per_chunk, rng=rng, eos_id=eos_id,
-                       pad_id=pad_id, hook_data=hook_data)
+                       pad_id=pad_id, hook_data=hook_data, break_even=break_even)
 
 
 def _checked(model, prompts, prompt_lengths, max_new_tokens, decoder, eos_id, hook_data,

@@ -19,7 +19,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from mtp.decode import decoders
 from mtp.decode import driver
 from mtp.decode import state as state_lib
 
@@ -83,7 +82,7 @@ class StreamUpdate:
 
 
 def stream(model, tokenizer, prompts, prompt_lengths=None, *, max_new_tokens: int,
-           decoder: str = decoders.DEFAULT, steps_per_chunk: int | None = None,
+           decoder: str = 'speculative', steps_per_chunk: int | None = None,
            eos_id: int | None = None, **decode_kwargs) -> Iterator[StreamUpdate]:
   """Decodes right-padded prompts, yielding each row's new text after every chunk of steps.
 

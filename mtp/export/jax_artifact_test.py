@@ -79,9 +79,15 @@ def test_greedy_tokens_equal_the_workdirs(loaded, source):
 
 
 def test_sampled_tokens_equal_the_workdirs_for_the_same_seed(loaded, source):
-  want = mtp.generate(source, PROMPTS, max_new_tokens=M, seed=3, **SAMPLED)
-  got = mtp.generate(loaded, PROMPTS, max_new_tokens=M, seed=3, **SAMPLED)
+  want = mtp.generate(source, PROMPTS, max_new_tokens=M, seed=3, decoder='speculative',
+                      **SAMPLED)
+  got = mtp.generate(loaded, PROMPTS, max_new_tokens=M, seed=3, decoder='speculative',
+                     **SAMPLED)
   assert _fields(got) == _fields(want)
+  # 'auto', the default, runs an artifact's speculative program (exported loops hold no
+  # fallback to one-token steps).
+  assert _fields(mtp.generate(loaded, PROMPTS, max_new_tokens=M, seed=3, **SAMPLED)) == (
+      _fields(got))
 
 
 _MISMATCH = runtime.ArtifactMismatchError

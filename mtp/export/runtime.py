@@ -118,6 +118,11 @@ class LoadedArtifact:
   def vocab_size(self) -> int:
     return int(self.artifact['vocab_size'])
 
+  @property
+  def decoders(self) -> tuple[str, ...]:
+    """The decoders its programs run ('autoregressive', and 'speculative' with heads)."""
+    return tuple(dict.fromkeys(p.decoder for p in self.programs))
+
   def key(self, seed: int, index: int = 0):
     """The raw key data a program takes: batch `index` of `seed` (as `mtp.generate` folds)."""
     key = jax.random.fold_in(jax.random.key(seed, impl=self.artifact['prng_impl']), index)

@@ -29,7 +29,7 @@ _NON_STREAM_POLL_S = 0.5  # How often a waiting non-streamed request checks its 
 
 
 def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
-               default_max_tokens: int = 16, default_decoder: str = decoders_lib.DEFAULT,
+               default_max_tokens: int = 16, default_decoder: str = decoders_lib.SERVED_DEFAULT,
                metrics: metrics_lib.Metrics | None = None) -> fastapi.FastAPI:
   """The server's app around a started (or starting) `Batcher`."""
   metrics = metrics or batcher.metrics or metrics_lib.Metrics()
@@ -37,7 +37,7 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
                         active_rows=lambda: batcher.active_rows,
                         warm=lambda: int(batcher.warm.is_set()))
   tokenizer = batcher.tokenizer
-  decoders = tuple(d for d in decoders_lib.NAMES
+  decoders = tuple(d for d in decoders_lib.SERVED
                    if batcher.model_cfg.mtp_num_heads or not decoders_lib.get(d).drafts)
   if default_decoder not in decoders:
     default_decoder = 'autoregressive'

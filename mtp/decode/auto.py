@@ -1,0 +1,83 @@
+"""The 'auto' decoder's measurement: what one drafting step costs, in one-token steps, here.
+
+Speculative decoding pays when a step emits more tokens than it costs one-token steps: its
+break-even is seconds per drafting step / seconds per one-token step, for this hardware, model,
+batch size, block and prompt width. It covers everything a step does (the verification pass,
+the heads' drafting, acceptance, cache bookkeeping), unlike the verification-only cost curve
+of `cost_model`, and it is measured on the very compiled loop that then decodes: an 'auto'
+request holds both kinds of step (`DecodeRequest.fallback`), so measuring compiles nothing
+extra. The loop stops drafting for the rest of a call once its tokens per step fall below the
+break-even, so 'auto' loses to autoregressive decoding at most its first few steps.
+
+Measured once and cached in a JSON file (`break_even.json` beside `cost_model`'s step costs,
+`$MTP_CACHE_DIR` or ~/.cache/mtp), keyed by device kind, model shape and request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import jax
+
+from mtp.decode import cost_model
+from mtp.decode import driver
+from mtp.decode import request as request_lib
+
+_FILE_NAME = 'break_even.json'
+
+
+def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
+              prompt_width: int) -> str:
+  """Everything that changes the ratio: device, model shape, batch, block, sampling, width."""
+  tree = request.tree
+  block = hashlib.sha1(repr((tree.choices, tree.lookup_depth)).encode()).hexdigest()[:10]
+  sampling = ('greedy' if request.greedy else
+              f't{request.temperature:g}-k{request.top_k}-p{request.top_p:g}')
+  return (f'{cost_model.device_kind()}|{cost_model.model_key(model)}|B{batch_size}'
+          f'|P{prompt_width}|N{tree.num_nodes}-{block}|{sampling}'
+          f'|new{request.max_new_tokens}|{"rows" if request.row_mapped else "batch"}'
+          f'|mesh{request.mesh.shape if request.mesh is not None else None}')
+
+
+def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeRequest, *,
+               cache_dir: str | None = None, refresh: bool = False, steps: int = 16,
+               repeats: int = 3) -> float:
+  """Seconds per drafting step / seconds per one-token step of `request` on `prompts`.
+
+  Args:
+    model: an `MTPModel` or `state.PreparedModel`.
+    prompts: [B, P] int32, right-padded, checked; prompt_lengths: [B].
+    request: an 'auto' request (`request.fallback`).
+    cache_dir: where the cache file lives (default `cost_model.default_cache_dir()`).
+    refresh: measure again even when cached.
+    steps, repeats: loop steps per timed run, and timed runs of each kind (fastest counts).
+
+  Returns:
+    The break-even in tokens per step (>= 0; a ratio below 1 means drafting costs nothing).
+  """
+  if not request.fallback:
+    raise ValueError('break_even needs an \'auto\' request that drafts (request.fallback)')
+  b, p = jax.numpy.shape(prompts)
+  key = cache_key(model, request, b, p)
+  path = os.path.join(cache_dir or cost_model.default_cache_dir(), _FILE_NAME)
+  table = cost_model.read_table(path)
+  cached = table.get(key)
+  if not refresh and isinstance(cached, dict) and _valid(cached.get('break_even')):
+    return float(cached['break_even'])
+  timed = {kind: driver.seconds_per_step(model, prompts, prompt_lengths, request,
+                                         drafting=kind == 'drafting', steps=steps,
+                                         repeats=repeats)
+           for kind in ('drafting', 'one_token')}
+  ratio = timed['drafting'] / timed['one_token']
+  table = cost_model.read_table(path)  # Another process may have written meanwhile.
+  table[key] = {'break_even': ratio, 'seconds_per_step': timed}
+  try:
+    cost_model.write_table(path, table)
+  except OSError:
+    pass  # A read-only cache directory: measure again next time.
+  return ratio
+
+
+def _valid(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6

@@ -1,0 +1,78 @@
+"""decode.auto: drafting's break-even, measured on the decoder's own loop and cached."""
+
+import json
+
+import numpy as np
+import pytest
+
+import mtp
+from mtp.decode import auto
+from mtp.decode import driver
+from mtp.decode import request as request_lib
+from mtp.model import testing
+from mtp.train import testing as train_testing
+
+LENGTHS = np.array([5, 7], np.int32)
+
+
+@pytest.fixture(scope='module')
+def model():
+  return testing.tiny_model(0, mtp_num_heads=2)
+
+
+@pytest.fixture(scope='module')
+def prompts():
+  return testing.random_tokens((2, 7), 61, seed=2)
+
+
+def _request(model, **options):
+  return request_lib.make_request(model.cfg, 7, max_new_tokens=12, decoder='auto', **options)
+
+
+def test_measured_once_then_read_from_the_cache(model, prompts, tmp_path, monkeypatch):
+  calls = []
+
+  def timed(*args, drafting, **kwargs):
+    calls.append(drafting)
+    return 0.003 if drafting else 0.002
+
+  monkeypatch.setattr(driver, 'seconds_per_step', timed)
+  request = _request(model)
+  assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
+  assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
+  assert calls == [True, False]
+  # Another block is another entry; refresh measures again.
+  auto.break_even(model, prompts, LENGTHS, _request(model, tree=1), cache_dir=tmp_path)
+  auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path, refresh=True)
+  assert len(calls) == 6
+  table = json.loads((tmp_path / 'break_even.json').read_text())
+  assert len(table) == 2 and all('seconds_per_step' in v for v in table.values())
+  # A corrupt entry is measured again, not trusted.
+  key = auto.cache_key(model, request, 2, 7)
+  table[key]['break_even'] = 'fast'
+  (tmp_path / 'break_even.json').write_text(json.dumps(table))
+  assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
+  assert len(calls) == 8
+
+
+def test_a_request_that_cannot_fall_back_is_refused(model, prompts, tmp_path):
+  plain = request_lib.make_request(model.cfg, 7, max_new_tokens=12, decoder='speculative')
+  with pytest.raises(ValueError, match="'auto' request"):
+    auto.break_even(model, prompts, LENGTHS, plain, cache_dir=tmp_path)
+
+
+def test_the_real_measurement_is_a_positive_ratio(model, prompts, tmp_path):
+  ratio = auto.break_even(model, prompts, LENGTHS, _request(model), cache_dir=tmp_path,
+                          steps=4, repeats=1)
+  assert 0 < ratio < 100
+
+
+def test_generate_defaults_to_auto_and_stays_exact(tmp_path, monkeypatch):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'cache'))
+  loaded = mtp.load(train_testing.train_tiny_workdir(tmp_path / 'workdir'))
+  prompts = ['def f(x):\n    return', 'import os\n']
+  auto_out = mtp.generate(loaded, prompts, max_new_tokens=12)
+  plain = mtp.generate(loaded, prompts, max_new_tokens=12, decoder='autoregressive')
+  assert [g.tokens for g in auto_out] == [g.tokens for g in plain]
+  [entry] = json.loads((tmp_path / 'cache' / 'break_even.json').read_text()).values()
+  assert entry['break_even'] > 0

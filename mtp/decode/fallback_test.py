@@ -1,0 +1,131 @@
+"""The 'auto' decoder's loop: drafting stops when it does not pay, exact either way."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.decode import driver
+from mtp.decode import request as request_lib
+from mtp.model import testing
+
+VOCAB = 61
+MAX_NEW = 24
+DEPTH = 3
+PROMPT_LENGTHS = np.array([7, 3, 5], np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownDrafts:
+  """A chain hook: the reference continuation (right) or one off it (every draft wrong)."""
+  right: bool
+
+  def __call__(self, drafts, num_generated, data):
+    index = num_generated[:, None] + jnp.arange(drafts.shape[1])[None, :]
+    tokens = jnp.take_along_axis(data, index, axis=1)
+    return tokens if self.right else (tokens + 1) % VOCAB
+
+
+@pytest.fixture(scope='module')
+def model():
+  return testing.tiny_model(0, mtp_num_heads=DEPTH)
+
+
+@pytest.fixture(scope='module')
+def prompts():
+  return testing.random_tokens((3, 7), VOCAB, seed=1)
+
+
+@pytest.fixture(scope='module')
+def reference(model, prompts):
+  return driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                         decoder='autoregressive')
+
+
+def _run(model, prompts, reference, *, right, break_even, after=4):
+  ref = np.asarray(reference.tokens)
+  data = jnp.asarray(np.pad(ref, ((0, 0), (0, DEPTH + 1))))
+  return driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                         decoder='auto', draft_hook=KnownDrafts(right), hook_data=data,
+                         break_even=break_even, fallback_after_steps=after)
+
+
+def test_rejected_drafts_fall_back_to_one_token_steps_exactly(model, prompts, reference):
+  out = _run(model, prompts, reference, right=False, break_even=1.5, after=4)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  np.testing.assert_array_equal(out.num_generated, reference.num_generated)
+  # Every step emits one token (drafts all wrong), before and after the fallback.
+  np.testing.assert_array_equal(out.num_steps, np.asarray(reference.num_generated) - 1)
+  hist = np.asarray(out.accepted_histogram)
+  assert hist.shape == (3, DEPTH + 2) and hist[:, 2:].sum() == 0
+
+
+def test_drafts_that_pay_keep_drafting(model, prompts, reference):
+  never = _run(model, prompts, reference, right=True, break_even=0.0)
+  paying = _run(model, prompts, reference, right=True, break_even=3.5, after=2)
+  np.testing.assert_array_equal(paying.tokens, reference.tokens)
+  np.testing.assert_array_equal(paying.num_steps, never.num_steps)
+  # Oracle drafts: DEPTH + 1 tokens per step until max_new_tokens cuts the last one.
+  assert np.all(np.asarray(paying.num_steps) <= -(-(MAX_NEW - 1) // (DEPTH + 1)))
+
+
+def test_a_high_break_even_stops_drafting_after_the_probe(model, prompts, reference):
+  # Even oracle drafts (DEPTH + 1 = 4 tokens a step) fall short of 5 tokens a step.
+  after = 2
+  out = _run(model, prompts, reference, right=True, break_even=5.0, after=after)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  hist = np.asarray(out.accepted_histogram)
+  np.testing.assert_array_equal(hist[:, DEPTH + 1], after)  # The probe's full steps.
+  np.testing.assert_array_equal(hist[:, 1], MAX_NEW - 1 - after * (DEPTH + 1))
+
+
+def test_sampled_decoding_falls_back_too(model, prompts):
+  kwargs = dict(max_new_tokens=MAX_NEW, temperature=1.0, rng=3)
+  speculative = driver.generate(model, prompts, PROMPT_LENGTHS, decoder='speculative', **kwargs)
+  never = driver.generate(model, prompts, PROMPT_LENGTHS, decoder='auto', break_even=0.0,
+                          **kwargs)
+  np.testing.assert_array_equal(never.tokens, speculative.tokens)
+  out = driver.generate(model, prompts, PROMPT_LENGTHS, decoder='auto', break_even=100.0,
+                        fallback_after_steps=1, **kwargs)
+  tokens = np.asarray(out.tokens)
+  assert np.all((tokens >= 0) & (tokens < VOCAB))
+  np.testing.assert_array_equal(out.num_generated, MAX_NEW)
+  # One drafting step, then one token a step.
+  assert np.all(np.asarray(out.num_steps) >= MAX_NEW - 1 - DEPTH)
+
+
+def test_auto_without_heads_is_autoregressive(prompts):
+  model = testing.tiny_model(0, mtp_num_heads=0)
+  request = request_lib.make_request(model.cfg, 8, max_new_tokens=4, decoder='auto')
+  assert not request.drafts and not request.fallback
+  out = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, decoder='auto')
+  ref = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                        decoder='autoregressive')
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def test_seconds_per_step_times_both_kinds_of_step(model, prompts):
+  request = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=MAX_NEW,
+                                     decoder='auto')
+  times = {kind: driver.seconds_per_step(model, prompts, PROMPT_LENGTHS, request,
+                                         drafting=kind, steps=4, repeats=1)
+           for kind in (True, False)}
+  assert all(0 < t < 10 for t in times.values()), times
+  plain = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=MAX_NEW,
+                                   decoder='speculative')
+  with pytest.raises(ValueError, match='without fallback'):
+    driver.seconds_per_step(model, prompts, PROMPT_LENGTHS, plain, drafting=False)
+
+
+@pytest.mark.parametrize('break_even', [-1.0, float('nan'), float('inf'), True])
+def test_bad_break_even_is_named(model, prompts, break_even):
+  with pytest.raises(ValueError, match='break_even must be'):
+    driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=4, decoder='auto',
+                    break_even=break_even)
+
+
+def test_bad_probe_is_named(model):
+  with pytest.raises(ValueError, match='fallback_after_steps'):
+    request_lib.make_request(model.cfg, 8, max_new_tokens=4, decoder='auto',
+                             fallback_after_steps=0)
