@@ -8,6 +8,7 @@ a second JAX process (a subprocess would pay JAX's start and every compile again
 """
 
 import math
+import re
 import shutil
 
 import jax
@@ -97,3 +98,18 @@ def test_optimizer_state_is_sharded_as_the_parameters():
   assert params < total / 2  # The parameters are sharded...
   # ... and Adam's two moments with them, not replicated on every device (scalars aside).
   assert bytes_per_device(state.opt_state, shardings.opt_state) <= 2 * params + 1024
+
+
+def test_each_device_computes_only_its_own_rows_under_fsdp():
+  # 40 rows of 24 tokens over fsdp=8: 5 rows a device. Splitting the matmuls' contraction over
+  # the FSDP-sharded weights instead would leave [40, 24, ...] activations on every device.
+  mesh = dict(data=1, fsdp=8, tensor=1)
+  config = _config(mesh)
+  config.data.batch_size, config.data.seq_len = 40, 24
+  trainer = step_lib.Trainer(config, mesh_lib.make_mesh(mesh))
+  rows = jax.ShapeDtypeStruct((40, 24), np.int32, sharding=trainer.batch_sharding)
+  hlo = trainer.train_step.lower(trainer.abstract_state_with_shardings(),
+                                 step_lib.Batch(rows, rows, rows)).compile().as_text()
+  assert re.search(r'\[5,24,64\]', hlo)  # The trunk's hidden states, this device's rows.
+  # No activation of the whole batch at the model's width (64) or the MLP's (128).
+  assert not re.search(r'\[(\d+,)*40,24,(64|128)\]', hlo)

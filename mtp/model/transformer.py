@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.parallel import mesh as mesh_lib
 
 Array = jax.Array
 # What the backward pass recomputes (training only): 'none'; 'heads' (the MTP heads' layers);
@@ -221,9 +222,10 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x, positions, mask, cache=None, lengths=None):
+    x = mesh_lib.constrain_batch(x)  # Rows split over the batch axes in a sharded train step.
     attended, cache = self.attn(self.attn_norm(x), positions, mask, cache, lengths)
     x = x + attended
-    return x + self.mlp(self.mlp_norm(x)), cache
+    return mesh_lib.constrain_batch(x + self.mlp(self.mlp_norm(x))), cache
 
 
 def _block_output(block, x, positions, mask):

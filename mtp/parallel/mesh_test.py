@@ -38,3 +38,23 @@ def test_a_batch_that_does_not_divide_the_batch_axes_is_named():
   with pytest.raises(mesh_lib.MeshError, match=r'data.batch_size \(6\) does not divide over '
                      r'the mesh data=1 x fsdp=4 x tensor=2.*multiple of 4'):
     mesh_lib.check_batch_fits(6, (1, 4, 2))
+
+
+def test_constrain_batch_splits_rows_only_within_activations_on():
+  import jax
+  import jax.numpy as jnp
+
+  if jax.device_count() < 8:
+    pytest.skip('needs 8 devices (conftest.py simulates them on CPU)')
+  mesh = mesh_lib.make_mesh(dict(data=2, fsdp=4, tensor=1))
+
+  def rows_split(x):
+    with mesh_lib.activations_on(mesh):
+      return mesh_lib.constrain_batch(x * 2, row_axis=1)
+  out = jax.jit(rows_split)(jnp.ones((3, 16, 5)))
+  assert out.sharding.spec == jax.sharding.PartitionSpec(None, ('data', 'fsdp'))
+  x = jnp.ones((16, 5))
+  assert mesh_lib.constrain_batch(x) is x  # Outside: unchanged.
+  with mesh_lib.activations_on(mesh):
+    odd = jnp.ones((6, 5))  # 6 rows do not divide over 8 devices.
+    assert mesh_lib.constrain_batch(odd) is odd

@@ -58,7 +58,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
 
 
 def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
-  """A workdir's saved model and tokenizer settings must match the config resuming it."""
+  """A workdir's saved model and tokenizer settings must match the config resuming it.
+
+  The mesh (`mesh.*`) may differ: checkpoints restore onto any mesh and process count
+  (tests/cross_mesh_test.py)."""
   path = workdir / checkpointing.CONFIG_FILENAME
   if not path.exists():
     return

@@ -139,11 +139,13 @@ class Trainer:
     """Training (step given) computes the heads' losses at every `mtp_head_loss_stride`-th
     position, rotating with the step; evaluation (step None) at every position."""
     model = nnx.merge(self.graphdef, params)
-    if batch.trunk_hidden is not None:  # The frozen trunk ran once, ahead of training.
-      hidden = model.outputs_from_trunk(batch.trunk_hidden, batch.tokens, batch.positions,
-                                        batch.segment_ids)
-    else:
-      hidden = model(batch.tokens, batch.positions, batch.segment_ids)
+    with mesh_lib.activations_on(self.mesh):  # Every device computes its own rows only.
+      if batch.trunk_hidden is not None:  # The frozen trunk ran once, ahead of training.
+        hidden = model.outputs_from_trunk(batch.trunk_hidden, batch.tokens, batch.positions,
+                                          batch.segment_ids)
+      else:
+        hidden = model(batch.tokens, batch.positions, batch.segment_ids)
+      hidden = mesh_lib.constrain_batch(hidden, row_axis=1)  # [K+1, B, T, D]
     labels = batch.tokens if batch.targets is None else batch.targets
     stride = self.config.mtp_head_loss_stride
     positions = None
