@@ -9,7 +9,8 @@ packages the model never saw, cut at a line boundary):
     and batch 8 (`cost_model.measure_step_cost`);
   * the heads' conditional top-k accuracies, measured on the trunk's greedy continuations of
     prompts from the training corpus's validation files (other code than the test prompts);
-  * for batch sizes 1 and 8 and each decoder (autoregressive; speculative with a chain of all
+  * for batch sizes 1 and 8 and each decoder (autoregressive; 'auto', the default, which
+    drafts a chain and stops drafting where it does not pay; speculative with a chain of all
     heads, the static default tree, and a tree built from the accuracies with its size chosen
     from that batch size's cost curve): mean accepted tokens per loop step, tokens/s and the
     speedup over autoregressive decoding. Decoders take turns within each repeat, so machine
@@ -90,6 +91,7 @@ def measure_workdir(workdir: str) -> dict:
 
   default_tree = trees.medusa_default_tree(num_heads)
   decoders = {b: {'autoregressive': ('autoregressive', None),
+                  f'auto (chain of {num_heads})': ('auto', None),
                   f'chain of {num_heads}': ('speculative', None),
                   f'default tree ({default_tree.num_nodes})': ('speculative', default_tree)}
               for b in batch_sizes}
@@ -128,7 +130,7 @@ def measure_workdir(workdir: str) -> dict:
       if tree is not None:
         row['tree_nodes'] = tree.num_nodes
         row['tree_choices'] = [list(c) for c in tree.choices]
-      if decoder == 'speculative':
+      if decoder != 'autoregressive':
         tree_used = tree or trees.chain_tree(num_heads)
         if (not tree_used.lookup_depth and tree_used.max_depth <= accuracies.shape[0]
             and max(tree_used.topk_per_depth) <= accuracies.shape[1]):

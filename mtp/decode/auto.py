@@ -42,7 +42,7 @@ def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
 
 def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeRequest, *,
                cache_dir: str | None = None, refresh: bool = False, steps: int = 16,
-               repeats: int = 3) -> float:
+               repeats: int = 5) -> float:
   """Seconds per drafting step / seconds per one-token step of `request` on `prompts`.
 
   Args:
@@ -51,7 +51,8 @@ def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeReques
     request: an 'auto' request (`request.fallback`).
     cache_dir: where the cache file lives (default `cost_model.default_cache_dir()`).
     refresh: measure again even when cached.
-    steps, repeats: loop steps per timed run, and timed runs of each kind (fastest counts).
+    steps, repeats: loop steps per timed run, and timed pairs of runs (the median ratio
+      counts).
 
   Returns:
     The break-even in tokens per step (>= 0; a ratio below 1 means drafting costs nothing).
@@ -65,13 +66,21 @@ def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeReques
   cached = table.get(key)
   if not refresh and isinstance(cached, dict) and _valid(cached.get('break_even')):
     return float(cached['break_even'])
-  timed = {kind: driver.seconds_per_step(model, prompts, prompt_lengths, request,
-                                         drafting=kind == 'drafting', steps=steps,
-                                         repeats=repeats)
-           for kind in ('drafting', 'one_token')}
-  ratio = timed['drafting'] / timed['one_token']
+  def timed(drafting: bool, warm_up: bool = False) -> float:
+    return driver.seconds_per_step(model, prompts, prompt_lengths, request, drafting=drafting,
+                                   steps=steps, repeats=1, warm_up=warm_up)
+
+  timed(True, warm_up=True)  # Compiles (the decode that follows reuses it).
+  # The two kinds take turns and each pair gives a ratio, so that load from other work hits
+  # both alike; the median pair counts.
+  pairs = sorted(((timed(True), timed(False)) for _ in range(repeats)),
+                 key=lambda pair: pair[0] / pair[1])
+  drafting, one_token = pairs[len(pairs) // 2]
+  ratio = drafting / one_token
   table = cost_model.read_table(path)  # Another process may have written meanwhile.
-  table[key] = {'break_even': ratio, 'seconds_per_step': timed}
+  table[key] = {'break_even': ratio,
+                'seconds_per_step': {'drafting': drafting, 'one_token': one_token},
+                'ratios': [d / o for d, o in pairs]}
   try:
     cost_model.write_table(path, table)
   except OSError:

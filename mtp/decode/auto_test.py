@@ -32,27 +32,31 @@ def _request(model, **options):
 def test_measured_once_then_read_from_the_cache(model, prompts, tmp_path, monkeypatch):
   calls = []
 
-  def timed(*args, drafting, **kwargs):
-    calls.append(drafting)
-    return 0.003 if drafting else 0.002
+  # Drafting steps cost 3 ms; one-token steps 2 ms, but a burst of load hits one of them.
+  one_token = iter([0.002, 0.002, 0.006, 0.002, 0.002] * 4)
+
+  def timed(*args, drafting, warm_up, **kwargs):
+    calls.append((drafting, warm_up))
+    return 0.003 if drafting else next(one_token)
 
   monkeypatch.setattr(driver, 'seconds_per_step', timed)
   request = _request(model)
   assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
   assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
-  assert calls == [True, False]
+  # One compiling run, then five pairs taking turns; the second call reads the cache.
+  assert calls == [(True, True)] + [(True, False), (False, False)] * 5
   # Another block is another entry; refresh measures again.
   auto.break_even(model, prompts, LENGTHS, _request(model, tree=1), cache_dir=tmp_path)
   auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path, refresh=True)
-  assert len(calls) == 6
+  assert len(calls) == 33
   table = json.loads((tmp_path / 'break_even.json').read_text())
-  assert len(table) == 2 and all('seconds_per_step' in v for v in table.values())
+  assert len(table) == 2 and all(len(v['ratios']) == 5 for v in table.values())
   # A corrupt entry is measured again, not trusted.
   key = auto.cache_key(model, request, 2, 7)
   table[key]['break_even'] = 'fast'
   (tmp_path / 'break_even.json').write_text(json.dumps(table))
   assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
-  assert len(calls) == 8
+  assert len(calls) == 44
 
 
 def test_a_request_that_cannot_fall_back_is_refused(model, prompts, tmp_path):
@@ -63,7 +67,7 @@ def test_a_request_that_cannot_fall_back_is_refused(model, prompts, tmp_path):
 
 def test_the_real_measurement_is_a_positive_ratio(model, prompts, tmp_path):
   ratio = auto.break_even(model, prompts, LENGTHS, _request(model), cache_dir=tmp_path,
-                          steps=4, repeats=1)
+                          steps=4, repeats=2)
   assert 0 < ratio < 100
 
 

@@ -424,20 +424,22 @@ def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, 
 
 
 def seconds_per_step(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *,
-                     drafting: bool, steps: int = 16, repeats: int = 3) -> float:
+                     drafting: bool, steps: int = 16, repeats: int = 3,
+                     warm_up: bool = True) -> float:
   """Wall seconds per loop step of `request`'s compiled decoder on these prompts.
 
   drafting: time drafting steps (break-even 0: drafting never stops) or, with a request that
     can fall back (`request.fallback`), one-token steps: the same compiled loop, so that the
     two are compared on equal terms and measuring compiles nothing that decoding will not use.
-  The fastest of `repeats` runs counts (after one that compiles); rows never stop at EOS.
+  The fastest of `repeats` runs counts, after one untimed run that compiles (`warm_up`); rows
+  never stop at EOS.
   """
   if not drafting and not request.fallback:
     raise ValueError('one-token steps of a request without fallback: time an autoregressive '
                      'request instead')
   prepared = state_lib.prepare(model)
   best = float('inf')
-  for attempt in range(repeats + 1):
+  for attempt in range(repeats + 1 if warm_up else repeats):
     _, state = _begin(prepared, prompts, prompt_lengths, request, 0, None, 0)
     if not drafting:
       state = state.replace(drafting=jnp.asarray(False))
@@ -447,7 +449,7 @@ def seconds_per_step(model, prompts: Array, prompt_lengths: Array, request: Deco
                                        jnp.int32(steps), None, request))
     seconds = time.perf_counter() - start
     taken = int(jnp.max(state.num_steps))
-    if attempt and taken:  # The first run compiles.
+    if (attempt or not warm_up) and taken:
       best = min(best, seconds / taken)
   return best
 
