@@ -79,12 +79,6 @@ def _inputs(b=2, t=12):
   return tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), segments
 
 
-def _loss(model, tokens, positions, segments):
-  hidden = model(tokens, positions, segments)  # [K+1, B, T, D]
-  logits = model.logits(hidden)
-  return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
-
-
 @pytest.mark.parametrize('head_type,remat', [('medusa', 'none'), ('parallel', 'full'),
                                              ('sequential', 'dots_saveable')])
 def test_scanned_trunk_matches_unrolled_forward_loss_and_grad(head_type, remat):
@@ -95,14 +89,19 @@ def test_scanned_trunk_matches_unrolled_forward_loss_and_grad(head_type, remat):
   assert scanned.cfg.trunk.scan_layers and layout.tree_layout(
       nnx.to_pure_dict(nnx.state(scanned))) == layout.SCANNED
   inputs = _inputs()
-  np.testing.assert_allclose(scanned(*inputs), unrolled(*inputs), atol=2e-5, rtol=1e-5)
 
-  def value_and_grad(model):
+  def forward_and_grad(model):
     graphdef, params = nnx.split(model)
-    return jax.jit(jax.value_and_grad(
-        lambda p: _loss(nnx.merge(graphdef, p), *inputs)))(params)
-  loss_u, grad_u = value_and_grad(unrolled)
-  loss_s, grad_s = value_and_grad(scanned)
+
+    def loss(p):
+      merged = nnx.merge(graphdef, p)
+      hidden = merged(*inputs)  # [K+1, B, T, D]
+      logits = merged.logits(hidden)
+      return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0]), hidden
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  (loss_u, hidden_u), grad_u = forward_and_grad(unrolled)
+  (loss_s, hidden_s), grad_s = forward_and_grad(scanned)
+  np.testing.assert_allclose(hidden_s, hidden_u, atol=2e-5, rtol=1e-5)
   np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
   grad_s = layout.to_layout(nnx.to_pure_dict(grad_s), scan_layers=False)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), grad_s,
@@ -113,11 +112,14 @@ def test_scanned_cached_steps_match_unrolled_ones_and_write_the_same_cache():
   unrolled = testing.tiny_model(head_type='parallel', num_layers=3)
   scanned = layout.with_layout(unrolled, scan_layers=True)
   tokens, positions, _ = _inputs()
-  outs = []
-  for model in (unrolled, scanned):
+
+  @jax.jit
+  def two_steps(graphdef, params):
+    model = nnx.merge(graphdef, params)
     cache = model.init_cache(2, 32)
     lengths = jnp.zeros(2, jnp.int32)
     first, cache = model.step(tokens[:, :7], positions[:, :7], cache, lengths)
     second, cache = model.step(tokens[:, 7:], positions[:, 7:], cache, lengths + 7)
-    outs.append((first.normed, second.normed, second.features, cache))
+    return first.normed, second.normed, second.features, cache
+  outs = [two_steps(*nnx.split(model)) for model in (unrolled, scanned)]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5), *outs)
