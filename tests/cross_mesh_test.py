@@ -8,7 +8,6 @@ a second JAX process (a subprocess would pay JAX's start and every compile again
 """
 
 import math
-import re
 import shutil
 
 import jax
@@ -66,6 +65,10 @@ def test_resume_on_another_mesh_continues_the_losses(uninterrupted, tmp_path, me
   for step in range(RESUMED_FROM + 1, NUM_STEPS + 1):
     np.testing.assert_allclose(resumed[step], expected[step], rtol=LOSS_RTOL,
                                err_msg=f'step {step} on {mesh}')
+  worst = max(abs(r - e) / abs(e) for step in range(RESUMED_FROM + 1, NUM_STEPS + 1)
+              for r, e in zip(resumed[step], expected[step]))
+  print(f'Resumed on {mesh}: losses of steps {RESUMED_FROM + 1}..{NUM_STEPS} within a relative '
+        f'{worst:.1e} of the uninterrupted 2x2x2 run.')
   # Steps before the restore are the saved run's own records, kept as they were.
   for step in range(1, RESUMED_FROM + 1):
     assert resumed[step] == expected[step]
@@ -99,17 +102,3 @@ def test_optimizer_state_is_sharded_as_the_parameters():
   # ... and Adam's two moments with them, not replicated on every device (scalars aside).
   assert bytes_per_device(state.opt_state, shardings.opt_state) <= 2 * params + 1024
 
-
-def test_each_device_computes_only_its_own_rows_under_fsdp():
-  # 40 rows of 24 tokens over fsdp=8: 5 rows a device. Splitting the matmuls' contraction over
-  # the FSDP-sharded weights instead would leave [40, 24, ...] activations on every device.
-  mesh = dict(data=1, fsdp=8, tensor=1)
-  config = _config(mesh)
-  config.data.batch_size, config.data.seq_len = 40, 24
-  trainer = step_lib.Trainer(config, mesh_lib.make_mesh(mesh))
-  rows = jax.ShapeDtypeStruct((40, 24), np.int32, sharding=trainer.batch_sharding)
-  hlo = trainer.train_step.lower(trainer.abstract_state_with_shardings(),
-                                 step_lib.Batch(rows, rows, rows)).compile().as_text()
-  assert re.search(r'\[5,24,64\]', hlo)  # The trunk's hidden states, this device's rows.
-  # No activation of the whole batch at the model's width (64) or the MLP's (128).
-  assert not re.search(r'\[(\d+,)*40,24,(64|128)\]', hlo)
