@@ -8,6 +8,7 @@ tensorstore, which has its own gs driver that this fake does not reach: checkpoi
 tested here.
 """
 
+import json
 import os
 
 import fsspec
@@ -110,3 +111,16 @@ def test_local_caches_of_a_bucket_workdir_live_on_this_host(bucket, monkeypatch,
   assert str(local) == str(tmp_path.parent / 'cache' / 'gs' / 'bucket' / 'run' / 'data_cache')
   assert str(paths.local_dir(tmp_path / 'run', 'data_cache')) == str(tmp_path / 'run' /
                                                                     'data_cache')
+
+
+def test_of_two_racing_writers_on_a_bucket_the_overwritten_one_gives_way(bucket, monkeypatch):
+  workdir = f'{bucket}/run'
+  path_type = type(epath.Path(workdir))
+  write_text = path_type.write_text
+
+  def raced(self, text, *args, **kwargs):  # Another host writes its record just after ours.
+    write_text(self, text, *args, **kwargs)
+    write_text(self, json.dumps({'pid': 7, 'host': 'other-host', 'since': 'now'}))
+  monkeypatch.setattr(path_type, 'write_text', raced)
+  with pytest.raises(workdir_lock.WorkdirLockedError, match="pid 7 on host 'other-host'"):
+    workdir_lock.WorkdirLock(workdir).acquire()

@@ -8,8 +8,10 @@ holder dies: a file left by a process of this host that died (kill -9) is stale,
 over with a warning. A lock held by a live process, or recorded by one on another host (which
 this host cannot check), is refused with an error naming the holder and saying how to clear it:
 delete the file. On an object store (`gs://...`) the file is a best-effort marker, checked and
-written through `etils.epath` without atomicity; there a recorded pid that is dead on this host
-makes it stale.
+written through `etils.epath` without atomicity (a writer reads its record back and gives way
+if another writer's replaced it, which narrows a race of two launches to the same moment but
+cannot close it); there a recorded pid that is dead on this host makes it stale, and one from
+another host must be deleted by hand.
 
 The lock sits beside the workdir, not in it, so that an import can still build its workdir in
 a staging directory and rename it into place, and a copied workdir carries no lock along.
@@ -181,5 +183,11 @@ class WorkdirLock:
         raise _refusal(self.path, self.workdir, record)
       logging.warning('Taking over the stale lock %s of %s, which no longer runs.', self.path,
                       _describe(record))
-    path.write_text(json.dumps(_holder_record()))
+    mine = _holder_record()
+    path.write_text(json.dumps(mine))
+    # An object store has no create-if-absent here: of two writers racing past the check above,
+    # the one whose record was overwritten reads the other's back and gives way.
+    record = _parse(path.read_text())
+    if record != mine:
+      raise _refusal(self.path, self.workdir, record)
     self._marker = True
