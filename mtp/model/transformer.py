@@ -12,8 +12,9 @@ Parameters carry logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads
 
 Two layouts of the layers (`scan_layers`, see `mtp.model.layout`): a list of blocks run by a Python
 loop (unrolled: every program holds L copies of the layer), or one block whose parameters carry a
-leading 'layers' axis [L, ...], run by `jax.lax.scan` (compiled once, whatever L). Both compute
-the same function of the same weights; the scanned body is where a remat policy applies.
+leading 'layers' axis [L, ...], run by `jax.lax.scan` in training (compiled once, whatever L;
+the scanned body is where a remat policy applies) and layer by layer on the KV cache. Both
+layouts compute the same function of the same weights.
 """
 
 from __future__ import annotations
@@ -281,11 +282,12 @@ def scan_blocks(blocks: 'Block', x: Array, positions: Array, mask: Array,
                 cache: kv_cache_lib.KVCache | None, lengths: Array | None,
                 num_layers: int, remat: str = 'none'
                 ) -> tuple[Array, list[tuple[Array, Array]] | None]:
-  """Runs stacked `blocks` (see `stacked_blocks`) with `jax.lax.scan` over their layer axis.
+  """Runs stacked `blocks` (see `stacked_blocks`) over their layer axis.
 
-  With a cache, layer i reads and writes cache layer i (the trunk's layers come first); the
-  updated (keys, values) come back per layer, as `run_blocks` returns them. Without one, the
-  body is rematerialised by `remat`'s policy (`_TRUNK_CHECKPOINT_POLICIES`).
+  Without a cache (training, evaluation): one `jax.lax.scan`, its body rematerialised by
+  `remat`'s policy (`_TRUNK_CHECKPOINT_POLICIES`). With a cache, layer i reads and writes cache
+  layer i (the trunk's layers come first), one layer after another; the updated (keys, values)
+  come back per layer, as `run_blocks` returns them.
   """
   graphdef, state = nnx.split(blocks)
 
@@ -299,9 +301,16 @@ def scan_blocks(blocks: 'Block', x: Array, positions: Array, mask: Array,
       body = jax.checkpoint(body, policy=_TRUNK_CHECKPOINT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(body, x, (state, None))
     return x, None
-  stacked = (jnp.stack(cache.keys[:num_layers]), jnp.stack(cache.values[:num_layers]))
-  x, (keys, values) = jax.lax.scan(body, x, (state, stacked))
-  return x, [(keys[i], values[i]) for i in range(num_layers)]
+  # Cached steps (prefill, decoding) run the layers one after another on static slices of
+  # the stacked weights, each on its own cache layer: a scan needs the cache's layers stacked
+  # (a copy of the whole cache per step). Greedy decoding of an 8-layer tiny model on CPU ran
+  # at 0.6x the unrolled model's speed with a scan, 0.8x this way.
+  updated = []
+  for i in range(num_layers):
+    layer_state = jax.tree.map(lambda leaf, i=i: leaf[i], state)
+    x, layer_cache = body(x, (layer_state, (cache.keys[i], cache.values[i])))
+    updated.append(layer_cache)
+  return x, updated
 
 
 class Transformer(nnx.Module):
