@@ -307,7 +307,8 @@ def _restore_parts(workdir: pathlib.Path, target: nnx.State, step: int | None,
       return step, _flat(params)
     if not convert_layout:
       raise layout.LayoutMismatchError(layout.mismatch_message(
-          f'The checkpoint {checkpointer.directory / str(step)}', saved_layout, wanted_layout))
+          f'The checkpoint {checkpointer.directory / str(step)}', saved_layout, wanted_layout,
+          workdir))
     return step, _restore_converted(checkpointer, step, wanted, wanted_layout)
   finally:
     checkpointer.close()
@@ -366,7 +367,8 @@ class _SavedTree:
     wanted_layout = layout.tree_layout(layout.nest(wanted))
     if saved_layout and wanted_layout and saved_layout != wanted_layout:
       raise layout.LayoutMismatchError(layout.mismatch_message(
-          f'The checkpoint {directory}', saved_layout, wanted_layout))
+          f'The checkpoint {directory}', saved_layout, wanted_layout,
+          directory.parents[2]))  # <workdir>/checkpoints/<step>/<item>
     if wanted.keys() <= saved.keys():
       sources = {path: path for path in wanted}
     else:
