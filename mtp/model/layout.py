@@ -181,14 +181,15 @@ def flatten(tree: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
   return out
 
 
-def mismatch_message(what: str, saved: str, wanted: str) -> str:
-  """How to go on when `what` holds layers in layout `saved` and the model wants `wanted`."""
+def mismatch_message(what: str, saved: str, wanted: str, workdir=None) -> str:
+  """How to go on when `what` (of `workdir`) holds layers in layout `saved` and the model wants
+  `wanted`."""
   return (f'{what} holds the trunk\'s layers {saved} but the model is configured {wanted} '
           f'(model.scan_layers={wanted == SCANNED}). Resume with '
           f'--config.model.scan_layers={saved == SCANNED}, or convert the workdir: '
-          f'python -m launch.convert_layout --workdir=<this workdir> --output=<new workdir> '
-          f'--scan_layers={wanted == SCANNED} (mtp.model.layout.to_layout converts a '
-          f'parameter tree in Python).')
+          f'python -m launch.convert_layout --workdir={workdir or "<this workdir>"} '
+          f'--output=<new workdir> --scan_layers={wanted == SCANNED} '
+          f'(mtp.model.layout.to_layout converts a parameter tree in Python).')
 
 
 def with_layout(model, scan_layers: bool):

@@ -73,7 +73,7 @@ def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDi
   if saved_scanned != bool(config.model.get('scan_layers', False)):
     raise layout.LayoutMismatchError(layout.mismatch_message(
         f'The workdir {workdir}', layout.layout_name(saved_scanned),
-        layout.layout_name(not saved_scanned)))
+        layout.layout_name(not saved_scanned), workdir))
   # The batch size too: the saved data position counts batches.
   saved_data = saved.get('data') or {}
   for key in ('tokenizer', 'seq_len', 'corpus', 'batch_size'):
