@@ -162,13 +162,15 @@ class Trainer:
     return out.total, out.metrics
 
   def _train_step(self, state: TrainState, batch: Batch):
-    params = state.params
-    if self.config.optim.mode == 'frozen_trunk':
-      # No gradient flows into the trunk, so its backward pass is never computed.
-      params = jax.tree.map(lambda p, head: p if head else jax.lax.stop_gradient(p),
-                            params, self._is_head)
-    (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch,
-                                                                        state.step)
+    def loss(params):
+      if self.config.optim.mode == 'frozen_trunk':
+        # Inside the differentiated function, so no gradient flows into the trunk and XLA
+        # never computes its backward pass (applied to the arguments, it would change nothing).
+        params = jax.tree.map(lambda p, head: p if head else jax.lax.stop_gradient(p),
+                              params, self._is_head)
+      return self._loss(params, batch, state.step)
+
+    (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     metrics['grad_norm'] = optax.global_norm(grads)
