@@ -1,0 +1,213 @@
+r"""Drafter families side by side: the same frozen trunk, data, steps and held-out prompts.
+
+  python -m benchmarks.drafters                                  # trains a small trunk first
+  python -m benchmarks.drafters --trunk=workdirs/code_small      # heads on a trained trunk
+
+Each variant trains K heads of one family on the same frozen trunk (`init_from`,
+optim.mode='frozen_trunk', self-distillation targets `--distill`, same steps and batch), with
+`launch.train` as a user runs it. Then, on held-out code prompts (the first lines of code of
+installed non-stdlib packages, never training data), greedy chain decoding with all K heads
+against the trunk's autoregressive decoding, batch 1: tokens per loop step, tokens/s and the
+speedup (medians over `--repeats`, decoders taking turns within a repeat so machine load hits
+them alike; compilation excluded), and whether every output equals the autoregressive one.
+
+Variants (`--variants`): 'medusa' (one ResBlock per head), 'sequential' (DeepSeek-V3 MTP
+modules), and EAGLE drafters: 'eagle' (the family's defaults), 'eagle_trunk' (depth 1 trained
+on the trunk's features only, EAGLE-1), 'eagle_w0' / 'eagle_w10' (feature-regression weight 0
+or 10 instead of 1). The EAGLE rows are the measurement behind the family's defaults.
+
+Prints a table and writes results/drafters.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('root', 'workdirs/drafters', 'Where the workdirs go (reused when trained).')
+flags.DEFINE_string('trunk', '', 'A trained workdir whose trunk the heads train on; empty: '
+                    'train one under --root with --trunk_steps.')
+flags.DEFINE_string('config', 'configs/code_small.py', 'Training config (the trunk\'s shape).')
+flags.DEFINE_integer('trunk_steps', 300, 'Steps of the trunk trained when --trunk is empty.')
+flags.DEFINE_list('variants', ['medusa', 'eagle', 'eagle_trunk', 'eagle_w0', 'eagle_w10'],
+                  'Drafters to train and compare.')
+flags.DEFINE_integer('num_heads', 4, 'K: heads (drafting depth) of every variant.')
+flags.DEFINE_integer('steps', 200, 'Training steps of every variant.')
+flags.DEFINE_enum('distill', 'teacher', ['text', 'teacher', 'rollout'],
+                  'What the heads learn from (distill.targets).')
+flags.DEFINE_list('overrides', [], 'More --config.KEY=VALUE for every run (e.g. data.batch_size=8).')
+flags.DEFINE_integer('num_prompts', 8, 'Held-out prompts.')
+flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as fit.')
+flags.DEFINE_integer('max_new_tokens', 96, 'Tokens generated per prompt.')
+flags.DEFINE_integer('repeats', 3, 'Timed repeats (medians).')
+flags.DEFINE_string('output', 'results/drafters.json', 'JSON results.')
+
+TIMING = 'drafters_timing.json'  # Written into a workdir once its training finished.
+VARIANTS = {
+    'medusa': {'model.mtp_head_type': 'medusa'},
+    'sequential': {'model.mtp_head_type': 'sequential'},
+    'eagle': {'model.mtp_head_type': 'eagle'},
+    'eagle_trunk': {'model.mtp_head_type': 'eagle', 'model.eagle_train_features': 'trunk'},
+    'eagle_w0': {'model.mtp_head_type': 'eagle', 'model.eagle_feature_loss_weight': 0.0},
+    'eagle_w10': {'model.mtp_head_type': 'eagle', 'model.eagle_feature_loss_weight': 10.0},
+}
+
+
+def train(workdir: pathlib.Path, overrides: dict) -> float:
+  """Runs `launch.train`; returns its wall seconds. A workdir this benchmark already trained
+  to the end is reused, with the seconds it took then (`TIMING`)."""
+  timing = workdir / TIMING
+  if timing.exists():
+    return json.loads(timing.read_text())['train_seconds']
+  command = [sys.executable, '-m', 'launch.train', f'--config={FLAGS.config}',
+             f'--workdir={workdir}', '--config.progress_bar=False']
+  command += [f'--config.{key}={value}' for key, value in overrides.items()]
+  command += [f'--config.{item}' for item in FLAGS.overrides]
+  print('$ ' + ' '.join(command[1:]), flush=True)
+  start = time.perf_counter()
+  done = subprocess.run(command, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                        text=True)
+  if done.returncode:
+    raise RuntimeError(f'training {workdir} failed:\n{done.stderr[-3000:]}')
+  seconds = time.perf_counter() - start
+  timing.write_text(json.dumps({'train_seconds': seconds}) + '\n')
+  return seconds
+
+
+def head_overrides(trunk: pathlib.Path, variant: str) -> dict:
+  every = FLAGS.steps
+  return {'init_from': str(trunk), 'optim.mode': 'frozen_trunk',
+          'distill.targets': FLAGS.distill, 'num_train_steps': FLAGS.steps,
+          'model.mtp_num_heads': FLAGS.num_heads, 'eval_every_steps': every,
+          'checkpoint_every_steps': every, 'log_every_steps': max(1, every // 4),
+          'optim.warmup_steps': max(1, FLAGS.steps // 10), **VARIANTS[variant]}
+
+
+def share_trunk_cache(source: pathlib.Path, workdir: pathlib.Path) -> None:
+  """Copies the first variant's trunk cache (the frozen trunk's targets over the same rows)
+  into a new workdir: every variant reads the same rows from the same trunk, and the cache's
+  key (rows, trunk, weights) makes training rebuild it if anything differed."""
+  cache = source / 'trunk_cache'
+  if source != workdir and cache.is_dir() and not (workdir / 'trunk_cache').exists():
+    shutil.copytree(cache, workdir / 'trunk_cache', copy_function=os.link,  # Read only.
+                    ignore=shutil.ignore_patterns('*.tmp'))
+
+
+def last_eval(workdir: pathlib.Path) -> dict:
+  """The final `eval_*` record of a run's metrics.jsonl."""
+  records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  evals = [r for r in records if any(k.startswith('eval_') for k in r)]
+  return evals[-1] if evals else {}
+
+
+def tokens_per_sec(generations) -> float:
+  return sum(len(g.tokens) for g in generations) / sum(g.seconds for g in generations)
+
+
+def measure(workdirs: dict[str, pathlib.Path], prompts: list[str]) -> dict[str, dict]:
+  """Chain decoding of every variant against its trunk's autoregressive decoding, batch 1."""
+  import mtp  # pylint: disable=import-outside-toplevel
+  loaded = {name: mtp.load(workdir) for name, workdir in workdirs.items()}
+  runs = {name: {'autoregressive': [], 'chain': []} for name in loaded}
+  for repeat in range(FLAGS.repeats):
+    for name, model in loaded.items():
+      for decoder in ('autoregressive', 'chain'):
+        generations = mtp.generate(
+            model, prompts, max_new_tokens=FLAGS.max_new_tokens, batch_size=1,
+            decoder='autoregressive' if decoder == 'autoregressive' else 'speculative',
+            tree=None if decoder == 'autoregressive' else 'chain')
+        runs[name][decoder].append(generations)
+        print(f'  repeat {repeat + 1}/{FLAGS.repeats} {name} {decoder}: '
+              f'{tokens_per_sec(generations):.1f} tokens/s', flush=True)
+  out = {}
+  for name, run in runs.items():
+    chain, reference = run['chain'], run['autoregressive']
+    steps = sum(g.num_steps for g in chain[0])
+    emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in chain[0])
+    # Steps that emitted at least j + 1 tokens: the share whose draft j was accepted.
+    histogram = [sum(g.accepted_histogram[j] for g in chain[0])
+                 for j in range(len(chain[0][0].accepted_histogram))]
+    reached = [sum(histogram[j + 1:]) / max(steps, 1) for j in range(1, len(histogram) - 1)]
+    out[name] = dict(
+        tokens_per_step=emitted / max(steps, 1),
+        draft_accepted_at_depth=reached,
+        chain_tokens_per_sec=statistics.median(tokens_per_sec(g) for g in chain),
+        autoregressive_tokens_per_sec=statistics.median(tokens_per_sec(g) for g in reference),
+        speedup=statistics.median(tokens_per_sec(c) / tokens_per_sec(r)
+                                  for c, r in zip(chain, reference)),
+        outputs_match=all(c.tokens == r.tokens for c, r in zip(chain[0], reference[0])))
+  return out
+
+
+def main(argv):
+  del argv
+  import mtp  # pylint: disable=import-outside-toplevel
+  from mtp.data import corpora  # pylint: disable=import-outside-toplevel
+  from mtp.decode import calibration  # pylint: disable=import-outside-toplevel
+  from mtp.decode import cost_model  # pylint: disable=import-outside-toplevel
+
+  unknown = [v for v in FLAGS.variants if v not in VARIANTS]
+  if unknown:
+    raise app.UsageError(f'unknown variants {unknown}; known: {", ".join(VARIANTS)}')
+  root = pathlib.Path(FLAGS.root)
+  trunk_seconds = None
+  if FLAGS.trunk:
+    trunk = pathlib.Path(FLAGS.trunk)
+  else:
+    trunk = root / 'trunk'
+    trunk_seconds = train(trunk, {'num_train_steps': FLAGS.trunk_steps,
+                                  'model.mtp_num_heads': 0,
+                                  'eval_every_steps': FLAGS.trunk_steps,
+                                  'checkpoint_every_steps': FLAGS.trunk_steps})
+  workdirs, seconds = {}, {}
+  for variant in FLAGS.variants:
+    workdirs[variant] = root / f'{variant}_k{FLAGS.num_heads}_{FLAGS.steps}'
+    if FLAGS.distill != 'text':
+      share_trunk_cache(workdirs[FLAGS.variants[0]], workdirs[variant])
+    seconds[variant] = train(workdirs[variant], head_overrides(trunk, variant))
+    print(f'  {variant}: trained in {seconds[variant]:.0f} s', flush=True)
+
+  tokenizer = mtp.load(workdirs[FLAGS.variants[0]]).tokenizer
+  prompts = calibration.code_prompts(corpora.heldout_files(), tokenizer, FLAGS.num_prompts,
+                                     max_tokens=FLAGS.prompt_tokens,
+                                     min_tokens=FLAGS.prompt_tokens // 2)
+  print(f'{len(prompts)} held-out prompts, {FLAGS.max_new_tokens} new tokens each', flush=True)
+  figures = measure(workdirs, prompts)
+
+  rows = []
+  for variant in FLAGS.variants:
+    evaluation = last_eval(workdirs[variant])
+    rows.append(dict(
+        variant=variant, workdir=str(workdirs[variant]), train_seconds=seconds[variant],
+        eval_head_acc=[evaluation.get(f'eval_head_{k}_acc') for k in range(1, FLAGS.num_heads + 1)],
+        eval_acceptance_proxy=evaluation.get('eval_acceptance_proxy'), **figures[variant]))
+  print(f'\n{"variant":<12} {"train s":>8} {"tokens/step":>12} {"chain tok/s":>12} '
+        f'{"AR tok/s":>9} {"speedup":>8} {"exact":>6}  eval head acc')
+  for r in rows:
+    accs = ' '.join(f'{a:.3f}' for a in r['eval_head_acc'] if a is not None)
+    print(f'{r["variant"]:<12} {r["train_seconds"]:>8.0f} {r["tokens_per_step"]:>12.3f} '
+          f'{r["chain_tokens_per_sec"]:>12.1f} {r["autoregressive_tokens_per_sec"]:>9.1f} '
+          f'{r["speedup"]:>7.2f}x {str(r["outputs_match"]):>6}  {accs}')
+  result = dict(trunk=str(trunk), trunk_train_seconds=trunk_seconds, config=FLAGS.config,
+                num_heads=FLAGS.num_heads, steps=FLAGS.steps, distill=FLAGS.distill,
+                overrides=FLAGS.overrides, num_prompts=len(prompts),
+                max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats, batch_size=1,
+                decoder='greedy chain of all heads', device=cost_model.device_kind(), rows=rows)
+  output = pathlib.Path(FLAGS.output)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  output.write_text(json.dumps(result, indent=2) + '\n')
+  print(f'wrote {output}')
+
+
+if __name__ == '__main__':
+  app.run(main)
