@@ -50,6 +50,9 @@ flags.DEFINE_integer('num_prompts', 8, 'Held-out prompts.')
 flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as fit.')
 flags.DEFINE_integer('max_new_tokens', 96, 'Tokens generated per prompt.')
 flags.DEFINE_integer('repeats', 3, 'Timed repeats (medians).')
+flags.DEFINE_list('temperatures', ['0', '0.8'], 'Decoding temperatures: 0 is greedy (outputs '
+                  'compared token for token); a weak trunk\'s greedy text can be degenerate (all '
+                  'drafts then pass), which sampled decoding (exact rejection sampling) avoids.')
 flags.DEFINE_string('output', 'results/drafters.json', 'JSON results.')
 
 TIMING = 'drafters_timing.json'  # Written into a workdir once its training finished.
@@ -114,7 +117,8 @@ def tokens_per_sec(generations) -> float:
   return sum(len(g.tokens) for g in generations) / sum(g.seconds for g in generations)
 
 
-def measure(workdirs: dict[str, pathlib.Path], prompts: list[str]) -> dict[str, dict]:
+def measure(workdirs: dict[str, pathlib.Path], prompts: list[str],
+            temperature: float) -> dict[str, dict]:
   """Chain decoding of every variant against its trunk's autoregressive decoding, batch 1."""
   import mtp  # pylint: disable=import-outside-toplevel
   loaded = {name: mtp.load(workdir) for name, workdir in workdirs.items()}
@@ -125,10 +129,11 @@ def measure(workdirs: dict[str, pathlib.Path], prompts: list[str]) -> dict[str, 
         generations = mtp.generate(
             model, prompts, max_new_tokens=FLAGS.max_new_tokens, batch_size=1,
             decoder='autoregressive' if decoder == 'autoregressive' else 'speculative',
-            tree=None if decoder == 'autoregressive' else 'chain')
+            tree=None if decoder == 'autoregressive' else 'chain', temperature=temperature,
+            seed=repeat)
         runs[name][decoder].append(generations)
-        print(f'  repeat {repeat + 1}/{FLAGS.repeats} {name} {decoder}: '
-              f'{tokens_per_sec(generations):.1f} tokens/s', flush=True)
+        print(f'  repeat {repeat + 1}/{FLAGS.repeats} temperature {temperature} {name} '
+              f'{decoder}: {tokens_per_sec(generations):.1f} tokens/s', flush=True)
   out = {}
   for name, run in runs.items():
     chain, reference = run['chain'], run['autoregressive']
@@ -145,7 +150,10 @@ def measure(workdirs: dict[str, pathlib.Path], prompts: list[str]) -> dict[str, 
         autoregressive_tokens_per_sec=statistics.median(tokens_per_sec(g) for g in reference),
         speedup=statistics.median(tokens_per_sec(c) / tokens_per_sec(r)
                                   for c, r in zip(chain, reference)),
-        outputs_match=all(c.tokens == r.tokens for c, r in zip(chain[0], reference[0])))
+        # Greedy: token for token. Sampled: equal in distribution only (not compared).
+        outputs_match=(all(c.tokens == r.tokens for c, r in zip(chain[0], reference[0]))
+                       if temperature == 0 else None),
+        distinct_tokens=len({t for g in reference[0] for t in g.tokens}))
   return out
 
 
@@ -182,27 +190,30 @@ def main(argv):
                                      max_tokens=FLAGS.prompt_tokens,
                                      min_tokens=FLAGS.prompt_tokens // 2)
   print(f'{len(prompts)} held-out prompts, {FLAGS.max_new_tokens} new tokens each', flush=True)
-  figures = measure(workdirs, prompts)
-
   rows = []
-  for variant in FLAGS.variants:
-    evaluation = last_eval(workdirs[variant])
-    rows.append(dict(
-        variant=variant, workdir=str(workdirs[variant]), train_seconds=seconds[variant],
-        eval_head_acc=[evaluation.get(f'eval_head_{k}_acc') for k in range(1, FLAGS.num_heads + 1)],
-        eval_acceptance_proxy=evaluation.get('eval_acceptance_proxy'), **figures[variant]))
-  print(f'\n{"variant":<12} {"train s":>8} {"tokens/step":>12} {"chain tok/s":>12} '
-        f'{"AR tok/s":>9} {"speedup":>8} {"exact":>6}  eval head acc')
+  for temperature in [float(t) for t in FLAGS.temperatures]:
+    figures = measure(workdirs, prompts, temperature)
+    for variant in FLAGS.variants:
+      evaluation = last_eval(workdirs[variant])
+      rows.append(dict(
+          variant=variant, temperature=temperature, workdir=str(workdirs[variant]),
+          train_seconds=seconds[variant],
+          eval_head_acc=[evaluation.get(f'eval_head_{k}_acc')
+                         for k in range(1, FLAGS.num_heads + 1)],
+          eval_acceptance_proxy=evaluation.get('eval_acceptance_proxy'), **figures[variant]))
+  print(f'\n{"variant":<12} {"temp":>5} {"train s":>8} {"tokens/step":>12} {"chain tok/s":>12} '
+        f'{"AR tok/s":>9} {"speedup":>8} {"exact":>6} {"AR ids":>6}  eval head acc')
   for r in rows:
     accs = ' '.join(f'{a:.3f}' for a in r['eval_head_acc'] if a is not None)
-    print(f'{r["variant"]:<12} {r["train_seconds"]:>8.0f} {r["tokens_per_step"]:>12.3f} '
-          f'{r["chain_tokens_per_sec"]:>12.1f} {r["autoregressive_tokens_per_sec"]:>9.1f} '
-          f'{r["speedup"]:>7.2f}x {str(r["outputs_match"]):>6}  {accs}')
+    print(f'{r["variant"]:<12} {r["temperature"]:>5} {r["train_seconds"]:>8.0f} '
+          f'{r["tokens_per_step"]:>12.3f} {r["chain_tokens_per_sec"]:>12.1f} '
+          f'{r["autoregressive_tokens_per_sec"]:>9.1f} {r["speedup"]:>7.2f}x '
+          f'{str(r["outputs_match"]):>6} {r["distinct_tokens"]:>6}  {accs}')
   result = dict(trunk=str(trunk), trunk_train_seconds=trunk_seconds, config=FLAGS.config,
                 num_heads=FLAGS.num_heads, steps=FLAGS.steps, distill=FLAGS.distill,
                 overrides=FLAGS.overrides, num_prompts=len(prompts),
                 max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats, batch_size=1,
-                decoder='greedy chain of all heads', device=cost_model.device_kind(), rows=rows)
+                decoder='chain of all heads', device=cost_model.device_kind(), rows=rows)
   output = pathlib.Path(FLAGS.output)
   output.parent.mkdir(parents=True, exist_ok=True)
   output.write_text(json.dumps(result, indent=2) + '\n')

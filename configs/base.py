@@ -77,11 +77,13 @@ def get_config() -> ml_collections.ConfigDict:
   # 'sequential' | 'eagle'. A family's own options are model keys too:
   c.model.mtp_head_type = 'medusa'
   c.model.medusa_num_layers = 1    # medusa: ResBlocks per head
-  # eagle: weight of the feature regression (smooth L1, drafter vs trunk features) added to the
-  # token loss; EAGLE's 1.0 against 0.1 for tokens is 10 here beside mtp_loss_scaling_factor 1.
+  # eagle: weight of the feature regression (smooth L1, drafter vs trunk features) beside the
+  # heads' token loss (EAGLE's 1.0 against 0.1 for tokens would be 10 here); 1 measured best of
+  # 0, 1 and 10 (benchmarks/drafters.py, see mtp/model/heads/eagle.py).
   c.model.eagle_feature_loss_weight = 1.0
   # eagle: what depths >= 2 read in training: 'drafted' (their own predicted features, as in
-  # drafting) or 'trunk' (the trunk's: depth 1 alone is trained, EAGLE-1).
+  # drafting) or 'trunk' (the trunk's: depth 1 alone is trained, EAGLE-1; cheaper, and measured
+  # as good at depths 1-2, a little worse deeper).
   c.model.eagle_train_features = 'drafted'
   # Recompute activations in the backward pass: 'none' | 'heads' (the heads' layers) | 'full'
   # (trunk blocks too) | 'dots_saveable' (trunk blocks keep their matmul outputs, recompute the
