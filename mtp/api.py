@@ -233,10 +233,12 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   for _ in itertools.islice(warm, 2):
     pass
   warm.close()
-  break_even = 0.0
+  fallback = {}
   if request.fallback:  # 'auto': what a drafting step costs here, timed on the same program.
     from mtp.decode import auto
     break_even = auto.break_even(prepared, batches[0][1], batches[0][2], request)
+    fallback = dict(break_even=break_even,
+                    probe_steps=auto.probe_steps(break_even, max_new_tokens))
 
   results = []
   root_key = jax.random.key(seed)
@@ -245,11 +247,11 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     start = time.perf_counter()
     if on_text is None:
       out = jax.device_get(driver.decode(prepared, tokens, row_lengths, request, rng=rng,
-                                         break_even=break_even, **special))
+                                         **fallback, **special))
     else:
       chunks = driver.decode_chunks(prepared, tokens, row_lengths, request,
-                                    steps_per_chunk=steps_per_chunk, rng=rng,
-                                    break_even=break_even, **special)
+                                    steps_per_chunk=steps_per_chunk, rng=rng, **fallback,
+                                    **special)
       for update in streaming.text_updates(chunks, tokenizer, max_new_tokens=max_new_tokens,
                                            eos_id=tokenizer.eos_id):
         for row, prompt_index in enumerate(rows):

@@ -7,7 +7,9 @@ the heads' drafting, acceptance, cache bookkeeping), unlike the verification-onl
 of `cost_model`, and it is measured on the very compiled loop that then decodes: an 'auto'
 request holds both kinds of step (`DecodeRequest.fallback`), so measuring compiles nothing
 extra. The loop stops drafting for the rest of a call once its tokens per step fall below the
-break-even, so 'auto' loses to autoregressive decoding at most its first few steps.
+break-even, checked after a probe of a few steps (`probe_steps`: as many as keep the worst
+case, every draft rejected, within 5% of the call's one-token steps), so 'auto' loses at most
+that to autoregressive decoding.
 
 Measured once and cached in a JSON file (`break_even.json` beside `cost_model`'s step costs,
 `$MTP_CACHE_DIR` or ~/.cache/mtp), keyed by device kind, model shape and request.
@@ -90,3 +92,15 @@ def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeReques
 
 def _valid(value) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6
+
+
+def probe_steps(break_even: float, max_new_tokens: int, *, budget: float = 0.05,
+                most: int = 8) -> int:
+  """Drafting steps before the first check, so that their worst case costs at most `budget`.
+
+  A probe step whose drafts are all rejected emits one token at `break_even` one-token steps:
+  it loses break_even - 1. Up to `most` steps (acceptance is noisy over fewer), at least one.
+  """
+  if break_even <= 1:
+    return most  # Drafting costs no more than a one-token step: probing loses nothing.
+  return int(max(1, min(most, budget * max_new_tokens // (break_even - 1))))

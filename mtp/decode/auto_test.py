@@ -59,6 +59,14 @@ def test_measured_once_then_read_from_the_cache(model, prompts, tmp_path, monkey
   assert len(calls) == 44
 
 
+def test_the_probe_keeps_the_worst_case_within_five_percent():
+  assert auto.probe_steps(0.9, 128) == 8  # Drafting is free: the longest probe.
+  assert auto.probe_steps(2.0, 128) == 6  # 6 steps lose at most 6 of 128 one-token steps.
+  assert auto.probe_steps(3.4, 128) == 2
+  assert auto.probe_steps(30.0, 16) == 1  # At least one step: drafting is tried.
+  assert auto.probe_steps(1.1, 1000) == 8
+
+
 def test_a_request_that_cannot_fall_back_is_refused(model, prompts, tmp_path):
   plain = request_lib.make_request(model.cfg, 7, max_new_tokens=12, decoder='speculative')
   with pytest.raises(ValueError, match="'auto' request"):

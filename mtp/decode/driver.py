@@ -73,6 +73,7 @@ class LoopState:
     drafting: [] bool, False once drafting stopped paying (`DecodeRequest.fallback`): the
       loop then decodes one token per pass.
     break_even: [] float32 tokens per step below which drafting stops (`fallback` only).
+    probe_steps: [] int32 steps drafted before the first such check.
   """
   tokens: Array
   num_generated: Array
@@ -89,6 +90,7 @@ class LoopState:
   context: Array
   drafting: Array
   break_even: Array
+  probe_steps: Array
 
 
 # ------------------------------------------------------------------------------------------
@@ -161,7 +163,7 @@ def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_in
 @functools.partial(jax.jit, static_argnames=('structure', 'request'))
 def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
            pad_id: Array, active: Array, request: DecodeRequest,
-           break_even: Array | float = 0.0) -> LoopState:
+           break_even: Array | float = 0.0, probe_steps: Array | int = 8) -> LoopState:
   """Prefills [B, P] right-padded prompts: each row's first token and first drafts.
 
   active: [B] rows to prefill; the others (fillers) are marked done (row-mapped requests skip
@@ -200,7 +202,8 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
                    histogram=jnp.zeros((b, request.depth + 2), jnp.int32), cache=cache,
                    rng=rng, eos_id=eos_id, pad_id=pad_id, context=context,
                    drafting=jnp.asarray(request.drafts),
-                   break_even=jnp.asarray(break_even, jnp.float32))
+                   break_even=jnp.asarray(break_even, jnp.float32),
+                   probe_steps=jnp.asarray(probe_steps, jnp.int32))
 
 
 def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Array):
@@ -321,7 +324,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     """Whether drafting keeps up with its break-even: the batch's tokens per step so far."""
     emitted = jnp.sum(s.histogram * jnp.arange(depth + 2, dtype=jnp.int32))
     steps = jnp.sum(s.num_steps)
-    early = jnp.max(s.num_steps) < request.fallback_after_steps
+    early = jnp.max(s.num_steps) < s.probe_steps
     return early | (emitted.astype(jnp.float32) >= s.break_even * steps.astype(jnp.float32))
 
   def body(carry):
@@ -358,7 +361,7 @@ def result(state: LoopState, max_new_tokens: int) -> DecodeResult:
 
 def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *, rng=None,
            eos_id: int | None = None, pad_id: int = 0, hook_data=None,
-           break_even: float = 0.0) -> DecodeResult:
+           break_even: float = 0.0, probe_steps: int = 8) -> DecodeResult:
   """Decodes checked prompts (`request.check_prompts`) with a checked request.
 
   Args:
@@ -371,9 +374,10 @@ def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest,
     hook_data: pytree of arrays passed to `request.draft_hook` (traced: no recompilation).
     break_even: 'auto' requests (`request.fallback`): drafting's break-even in tokens per step
       (`auto.break_even` measures it; traced: no recompilation); 0: never stop drafting.
+    probe_steps: 'auto' requests: steps drafted before the first check (`auto.probe_steps`).
   """
   prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id,
-                           break_even=break_even)
+                           break_even=break_even, probe_steps=probe_steps)
   state = _run(prepared.structure, prepared.leaves, state, jnp.int32(request.max_new_tokens),
                hook_data, request)
   return result(state, request.max_new_tokens)
@@ -383,7 +387,7 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
                   steps_per_chunk: int, rng=None, eos_id: int | None = None, pad_id: int = 0,
                   hook_data=None, active=None,
                   stop: Callable[[], np.ndarray | None] | None = None,
-                  break_even: float = 0.0) -> Iterator[DecodeResult]:
+                  break_even: float = 0.0, probe_steps: int = 8) -> Iterator[DecodeResult]:
   """Like `decode`, but yields the partial result (numpy) after the prefill and each chunk.
 
   The chunk size is not part of the compiled code; streaming costs one host round trip per
@@ -394,7 +398,7 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
     finished (a server's cancelled requests). Row-mapped requests then skip their work.
   """
   prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id,
-                           active, break_even)
+                           active, break_even, probe_steps)
   # Host copies: the next `_run` donates (invalidates) the state's device buffers.
   yield jax.device_get(result(state, request.max_new_tokens))
   while True:
@@ -409,9 +413,9 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
 
 
 def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, pad_id,
-           active=None, break_even: float = 0.0):
+           active=None, break_even: float = 0.0, probe_steps: int = 8):
   prepared = state_lib.prepare(model)
-  break_even = request_lib.check_break_even(break_even)
+  break_even, probe_steps = request_lib.check_fallback(break_even, probe_steps)
   if active is None:
     active = np.ones(np.shape(prompts)[0], bool)
   prompts, prompt_lengths, active = state_lib.shard_rows(
@@ -419,7 +423,8 @@ def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, 
       request.mesh)
   state = _start(prepared.structure, prepared.leaves, prompts, prompt_lengths,
                  state_lib.as_key(rng), jnp.int32(-1 if eos_id is None else eos_id),
-                 jnp.int32(pad_id), active, request, jnp.float32(break_even))
+                 jnp.int32(pad_id), active, request, jnp.float32(break_even),
+                 jnp.int32(probe_steps))
   return prepared, state
 
 
@@ -511,7 +516,8 @@ def _splice(state: LoopState, fresh: LoopState, rows: Array) -> LoopState:
 
 def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
              decoder: str = 'speculative', eos_id: int | None = None, pad_id: int = 0,
-             rng=None, hook_data=None, break_even: float = 0.0, **options) -> DecodeResult:
+             rng=None, hook_data=None, break_even: float = 0.0, probe_steps: int = 8,
+             **options) -> DecodeResult:
   """Checks the request, then decodes: the one entry point of every decoder.
 
   Greedy (temperature 0) output of every decoder equals greedy autoregressive output token
@@ -524,7 +530,7 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
     prompt_lengths: [B] valid tokens per row (None: all P).
     max_new_tokens: tokens to generate per row at most.
     decoder: a name in `decoders.NAMES`.
-    eos_id, pad_id, rng, hook_data, break_even: as in `decode`.
+    eos_id, pad_id, rng, hook_data, break_even, probe_steps: as in `decode`.
     **options: the rest of `request.make_request`'s options: tree, lookup, temperature, top_k,
       top_p, cache_capacity, draft_hook, mesh.
 
@@ -537,13 +543,14 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   prompts, prompt_lengths, request = _checked(model, prompts, prompt_lengths, max_new_tokens,
                                               decoder, eos_id, hook_data, options)
   return decode(model, prompts, prompt_lengths, request, rng=rng, eos_id=eos_id, pad_id=pad_id,
-                hook_data=hook_data, break_even=break_even)
+                hook_data=hook_data, break_even=break_even, probe_steps=probe_steps)
 
 
 def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
                     decoder: str = 'speculative', steps_per_chunk: int | None = None,
                     eos_id: int | None = None, pad_id: int = 0, rng=None, hook_data=None,
-                    break_even: float = 0.0, **options) -> Iterator[DecodeResult]:
+                    break_even: float = 0.0, probe_steps: int = 8,
+                    **options) -> Iterator[DecodeResult]:
   """`generate`, yielding the partial result after the prefill and each chunk of steps.
 
   steps_per_chunk: loop steps per host round trip (None: the decoder's default).
@@ -553,7 +560,8 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
                                               decoder, eos_id, hook_data, options)
   return decode_chunks(model, prompts, prompt_lengths, request,
                        steps_per_chunk=steps_per_chunk, rng=rng, eos_id=eos_id,
-                       pad_id=pad_id, hook_data=hook_data, break_even=break_even)
+                       pad_id=pad_id, hook_data=hook_data, break_even=break_even,
+                       probe_steps=probe_steps)
 
 
 def _checked(model, prompts, prompt_lengths, max_new_tokens, decoder, eos_id, hook_data,

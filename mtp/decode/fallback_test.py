@@ -48,7 +48,7 @@ def _run(model, prompts, reference, *, right, break_even, after=4):
   data = jnp.asarray(np.pad(ref, ((0, 0), (0, DEPTH + 1))))
   return driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
                          decoder='auto', draft_hook=KnownDrafts(right), hook_data=data,
-                         break_even=break_even, fallback_after_steps=after)
+                         break_even=break_even, probe_steps=after)
 
 
 def test_rejected_drafts_fall_back_to_one_token_steps_exactly(model, prompts, reference):
@@ -87,7 +87,7 @@ def test_sampled_decoding_falls_back_too(model, prompts):
                           **kwargs)
   np.testing.assert_array_equal(never.tokens, speculative.tokens)
   out = driver.generate(model, prompts, PROMPT_LENGTHS, decoder='auto', break_even=100.0,
-                        fallback_after_steps=1, **kwargs)
+                        probe_steps=1, **kwargs)
   tokens = np.asarray(out.tokens)
   assert np.all((tokens >= 0) & (tokens < VOCAB))
   np.testing.assert_array_equal(out.num_generated, MAX_NEW)
@@ -125,7 +125,7 @@ def test_bad_break_even_is_named(model, prompts, break_even):
                     break_even=break_even)
 
 
-def test_bad_probe_is_named(model):
-  with pytest.raises(ValueError, match='fallback_after_steps'):
-    request_lib.make_request(model.cfg, 8, max_new_tokens=4, decoder='auto',
-                             fallback_after_steps=0)
+def test_bad_probe_is_named(model, prompts):
+  with pytest.raises(ValueError, match='probe_steps'):
+    driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=4, decoder='auto',
+                    break_even=2.0, probe_steps=0)

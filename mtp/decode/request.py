@@ -48,11 +48,11 @@ class DecodeRequest:
       to a batch of one's, whatever else is in the batch (a server's promise), at the cost of
       rows not sharing matmuls.
     fallback: the 'auto' decoder: drafting stops for the rest of the call (every row then
-      decodes one token per pass) once the batch, after `fallback_after_steps` steps, emits
-      fewer tokens per step than drafting's break-even, the cost of one drafting step in
-      one-token steps. The break-even is traced (`driver.decode(..., break_even=)`; 0: never
-      stop), so measuring and using it share one compiled decoder.
-    fallback_after_steps: steps before the first such check (acceptance is noisy early on).
+      decodes one token per pass) once the batch, after a few probe steps, emits fewer tokens
+      per step than drafting's break-even, the cost of one drafting step in one-token steps.
+      The break-even and the probe are traced (`driver.decode(..., break_even=,
+      probe_steps=)`; break-even 0: never stop), so measuring and using them share one
+      compiled decoder.
   """
   max_new_tokens: int
   capacity: int
@@ -66,7 +66,6 @@ class DecodeRequest:
   banned_ids: tuple[int, ...] = ()
   row_mapped: bool = False
   fallback: bool = False
-  fallback_after_steps: int = 8
 
   @property
   def masks_vocab(self) -> bool:
@@ -92,8 +91,7 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  cache_capacity: int | None = None, draft_hook: DraftHook | None = None,
                  mesh: jax.sharding.Mesh | None = None, vocab_limit: int | None = None,
-                 banned_ids: Sequence[int] = (), row_mapped: bool = False,
-                 fallback_after_steps: int = 8) -> DecodeRequest:
+                 banned_ids: Sequence[int] = (), row_mapped: bool = False) -> DecodeRequest:
   """Checks a user's decode options and returns the request they describe.
 
   Args:
@@ -113,8 +111,6 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
     vocab_limit: never emit ids >= this (a tokenizer smaller than the output layer).
     banned_ids: never emit these ids (a pad id that is not also EOS).
     row_mapped: batch-invariant decoding, row by row (`DecodeRequest.row_mapped`).
-    fallback_after_steps: 'auto': steps before drafting's first check
-      (`DecodeRequest.fallback`).
 
   Raises:
     ValueError naming the bad option.
@@ -139,7 +135,6 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
                      f'to {decoder!r}')
   else:
     candidates = trees_lib.chain_tree(0)
-  _check_positive_int('fallback_after_steps', fallback_after_steps)
   if candidates.lookup_depth and temperature != 0:
     raise ValueError('lookup drafts are verified greedily only (temperature 0), got '
                      f'temperature {temperature}')
@@ -153,16 +148,17 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
       tree=candidates, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
       draft_hook=draft_hook, mesh=mesh, vocab_limit=vocab_limit, banned_ids=banned_ids,
       row_mapped=bool(row_mapped),
-      fallback=spec.adaptive and candidates.num_nodes > 1,
-      fallback_after_steps=int(fallback_after_steps))
+      fallback=spec.adaptive and candidates.num_nodes > 1)
 
 
-def check_break_even(break_even) -> float:
-  """A break-even of drafting (tokens per step; 0: never stop drafting), checked."""
+def check_fallback(break_even, probe_steps) -> tuple[float, int]:
+  """Drafting's break-even (tokens per step; 0: never stop drafting) and the steps drafted
+  before the first check (`DecodeRequest.fallback`), checked."""
   if (isinstance(break_even, bool) or not isinstance(break_even, numbers.Real)
       or not 0 <= break_even < float('inf')):
     raise ValueError(f'break_even must be a finite number >= 0, got {break_even!r}')
-  return float(break_even)
+  _check_positive_int('probe_steps', probe_steps)
+  return float(break_even), int(probe_steps)
 
 
 def _check_vocab_mask(vocab_limit, banned_ids, vocab_size: int):
