@@ -113,7 +113,7 @@ def test_requests_it_cannot_serve_are_named(loaded, kwargs, error, message):
 
 
 def test_its_own_tree_named_is_served(loaded, source):
-  want = mtp.generate(source, PROMPTS, max_new_tokens=M)
+  want = mtp.generate(source, PROMPTS, max_new_tokens=M, decoder='speculative')
   got = mtp.generate(loaded, PROMPTS, max_new_tokens=M, tree='chain')
   assert _fields(got) == _fields(want)
 
@@ -127,7 +127,7 @@ def test_heads_of_another_family_on_a_frozen_base(workdir, tmp_path):
                                   'num_train_steps': 1, 'eval_steps': 0})
   trainer_lib.train_and_evaluate(config, heads)
   writer.export(heads, 'jax_export', tmp_path / 'artifact', max_new_tokens=M, platforms=['cpu'])
-  want = mtp.generate(mtp.load(heads), PROMPTS, max_new_tokens=M)
+  want = mtp.generate(mtp.load(heads), PROMPTS, max_new_tokens=M, decoder='speculative')
   got = mtp.generate(mtp.load(tmp_path / 'artifact'), PROMPTS, max_new_tokens=M)
   assert _fields(got) == _fields(want)
   assert len(got[0].accepted_histogram) == 2 + 2  # Two sequential heads drafted.

@@ -66,14 +66,14 @@ def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDi
   if not path.exists():
     return
   saved = checkpointing.load_config(workdir)
-  mismatched = [f'model.{k}: {saved.model[k]!r} in the workdir, {config.model[k]!r} now'
-                for k in config.model if k in saved.model and k not in RUNTIME_MODEL_KEYS and
-                _normalise(saved.model[k]) != _normalise(config.model[k])]
   saved_scanned = bool(saved.model.get('scan_layers', False))
   if saved_scanned != bool(config.model.get('scan_layers', False)):
     raise layout.LayoutMismatchError(layout.mismatch_message(
         f'The workdir {workdir}', layout.layout_name(saved_scanned),
         layout.layout_name(not saved_scanned), workdir))
+  mismatched = [f'model.{k}: {saved.model[k]!r} in the workdir, {config.model[k]!r} now'
+                for k in config.model if k in saved.model and k not in RUNTIME_MODEL_KEYS and
+                _normalise(saved.model[k]) != _normalise(config.model[k])]
   # The batch size too: the saved data position counts batches.
   saved_data = saved.get('data') or {}
   for key in ('tokenizer', 'seq_len', 'corpus', 'batch_size'):

@@ -172,7 +172,7 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_named(tmp_path):
 
 
 @pytest.mark.parametrize('overrides,message', [
-    ({'model.mtp_head_type': 'eagle'}, "Unknown model.mtp_head_type 'eagle'"),
+    ({'model.mtp_head_type': 'hydra'}, "Unknown model.mtp_head_type 'hydra'"),
     ({'model.mtp_num_heads': -2}, 'mtp_num_heads must be >= 0'),
     ({'data.seq_len': 512}, r'exceeds the model\'s maximum sequence length'),
     ({'optim.mode': 'medusa3'}, "Unknown optim.mode 'medusa3'"),
