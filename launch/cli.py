@@ -56,6 +56,19 @@ class UserErrors:
     return False
 
 
+def begin(argv: Sequence[str], *, warnings_only: bool = False) -> None:
+  """A launcher's first lines: no positional arguments (usage error otherwise), quiet library
+  logs, and with `warnings_only` absl's own INFO lines too (Orbax logs every save and restore)
+  unless --verbosity was given."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  import launch  # pylint: disable=import-outside-toplevel
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=USAGE)
+  launch.quiet_library_logs()
+  if warnings_only and not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+
+
 def fail(program: str, error: BaseException, code: int = ERROR) -> NoReturn:
   """Exits with `code` after one line naming `error` (and its traceback, if
   `show_traceback()`)."""

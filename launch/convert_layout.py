@@ -15,7 +15,6 @@ import sys
 from absl import app
 from absl import flags
 
-import launch
 from launch import cli
 
 FLAGS = flags.FLAGS
@@ -26,9 +25,7 @@ flags.mark_flags_as_required(['workdir', 'output', 'scan_layers'])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
-  launch.quiet_library_logs()
+  cli.begin(argv)
   # After flag parsing: JAX is slow to import.
   from mtp.checkpoint import convert_layout  # pylint: disable=import-outside-toplevel
   try:

@@ -25,9 +25,7 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 
-import launch
 from launch import cli
 
 FLAGS = flags.FLAGS
@@ -70,11 +68,7 @@ def options() -> dict:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
-  launch.quiet_library_logs()
-  if not FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax's restore and save logs.
+  cli.begin(argv, warnings_only=True)
   with cli.UserErrors(PROGRAM):
     from mtp.export import writer  # pylint: disable=import-outside-toplevel
     summary = writer.export(FLAGS.workdir, FLAGS.format, FLAGS.output, dtype=FLAGS.dtype,

@@ -17,9 +17,7 @@ import time
 
 from absl import app
 from absl import flags
-from absl import logging
 
-import launch
 from launch import cli
 
 FLAGS = flags.FLAGS
@@ -29,11 +27,7 @@ flags.mark_flags_as_required(['source', 'workdir'])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
-  launch.quiet_library_logs()
-  if not FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.begin(argv, warnings_only=True)
   # After flag parsing: JAX is slow to import.
   from mtp.checkpoint import checkpointing
   from mtp.pretrained import workdir as workdir_lib

@@ -17,9 +17,7 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 
-import launch
 from launch import cli
 from mtp.data import prepare as prepare_lib
 
@@ -42,11 +40,7 @@ flags.mark_flags_as_required(['source', 'output'])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
-  launch.quiet_library_logs()
-  if not FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.begin(argv, warnings_only=True)
   with cli.UserErrors('launch.prepare_data'):
     result = prepare_lib.prepare(
         FLAGS.source, FLAGS.output, tokenizer=FLAGS.tokenizer, vocab_size=FLAGS.vocab_size,

@@ -13,7 +13,6 @@ from __future__ import annotations
 from absl import app
 from absl import flags
 
-import launch
 from launch import cli
 from mtp.decode import decoders
 
@@ -40,9 +39,7 @@ flags.mark_flag_as_required('workdir')
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}', exitcode=cli.USAGE)
-  launch.quiet_library_logs()
+  cli.begin(argv)
   with cli.UserErrors(PROGRAM):
     if FLAGS.max_batch < 1 or FLAGS.max_queue < 1 or FLAGS.max_wait_ms < 0:
       raise ValueError('--max_batch and --max_queue must be >= 1, --max_wait_ms >= 0')

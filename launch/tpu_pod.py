@@ -36,7 +36,6 @@ import os
 import pathlib
 import shlex
 import subprocess
-import sys
 import tarfile
 import tempfile
 from typing import Sequence
