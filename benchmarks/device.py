@@ -29,6 +29,7 @@ verifier (the float32 test suite checks exactness). Prints tables; writes `devic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import platform
@@ -82,20 +83,14 @@ def random_model(tiny: bool, dtype: str = 'bfloat16'):
   return model
 
 
+@dataclasses.dataclass(frozen=True)
 class OracleChain:
   """Draft hook: a chain of `depth` drafts copied from a known continuation (every one right).
 
-  hook_data: {'ref': [B, >= max_new_tokens + depth] int32}, the autoregressive output.
+  Hashable, so equal hooks share a compiled decoder. hook_data: {'ref': [B, >= max_new_tokens
+  + depth] int32}, the autoregressive output.
   """
-
-  def __init__(self, depth: int):
-    self.depth = depth
-
-  def __hash__(self):
-    return hash(('OracleChain', self.depth))
-
-  def __eq__(self, other):
-    return isinstance(other, OracleChain) and other.depth == self.depth
+  depth: int
 
   def __call__(self, drafts, num_generated, data):
     import jax.numpy as jnp
@@ -188,7 +183,6 @@ def measure_random_model(tiny: bool, batch_sizes, token_counts, prompt_tokens: i
 
 def measure_demo_model(workdir: str, batch_sizes, prompt_tokens: int, max_new_tokens: int,
                        repeats: int, lookup: int) -> dict:
-  import numpy as np
   import mtp
   from mtp.data import corpora
   from mtp.decode import calibration
