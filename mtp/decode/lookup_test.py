@@ -41,3 +41,13 @@ def test_tokens_after_the_row_end_are_ignored_and_rows_are_independent():
   assert _propose(rows, [4, 2], 2) == [[7, 1], [5, 4]]
   # Copying past the end repeats the period instead of reading the stale 9.
   assert _propose([[2, 3, 8, 3, 9]], [3], 3) == [[8, 3, 8]]
+
+
+def test_the_key_length_is_that_of_the_longest_matching_key():
+  context = np.array([[1, 2, 3, 9, 2, 3],    # (2, 3) occurred before, (9, 2, 3) did not
+                      [5, 1, 2, 5, 1, 2],    # (5, 1, 2) occurred before
+                      [1, 2, 3, 4, 5, 6]],   # nothing did
+                     np.int32)
+  drafts, key = lookup.propose_with_key(context, np.array([5, 5, 5]), 2)
+  assert np.asarray(key).tolist() == [2, 3, 0]
+  assert np.asarray(drafts).tolist() == [[9, 2], [5, 1], [6, 6]]
