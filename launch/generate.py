@@ -52,6 +52,9 @@ flags.DEFINE_string('tree', None, 'Speculative candidates: chain (default), defa
                     'Medusa-style choices as JSON, e.g. "[[0], [1], [0, 0]]".')
 flags.DEFINE_integer('lookup', 0, 'Speculative, greedy: add a chain of this many prompt-lookup '
                      'drafts (copies of what followed the text\'s last tokens before) to the tree.')
+flags.DEFINE_integer('draft_vocab', 0, 'Drafting decoders: the heads draft over only the N most '
+                     'frequent token ids of the training data (FR-Spec; counted once, cached in '
+                     'the workdir); 0 = the whole vocabulary. Output is unchanged.')
 flags.DEFINE_string('output', None, 'JSONL file to write (default: stdout).')
 flags.DEFINE_bool('stream', False, 'Print completions as tokens are accepted.')
 flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps per host round trip when streaming.')
@@ -163,7 +166,7 @@ def main(argv):
         loaded, prompts, max_new_tokens=FLAGS.max_new_tokens, decoder=FLAGS.decoder,
         temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
         tree=tree, lookup=FLAGS.lookup, batch_size=FLAGS.batch_size, on_text=printer,
-        steps_per_chunk=FLAGS.steps_per_chunk)
+        steps_per_chunk=FLAGS.steps_per_chunk, draft_vocab=FLAGS.draft_vocab)
     lines = ''.join(json.dumps(g.to_json(), ensure_ascii=False) + '\n' for g in generations)
     if output is not None:
       output.commit(lines)

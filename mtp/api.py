@@ -24,6 +24,7 @@ from mtp.checkpoint import checkpointing
 from mtp.checkpoint import paths
 from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import decoders
+from mtp.decode import draft_vocab as draft_vocab_lib
 from mtp.decode import driver
 from mtp.decode import request as request_lib
 from mtp.decode import sampling as sampling_lib
@@ -144,8 +145,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
              top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              tree: str | Sequence[Sequence[int]] | trees_lib.Tree | None = None,
              lookup: int = 0, batch_size: int | None = None, on_text: TextCallback | None = None,
-             steps_per_chunk: int | None = None, special_tokens: bool = False
-             ) -> list[Generation]:
+             steps_per_chunk: int | None = None, special_tokens: bool = False,
+             draft_vocab: int | None = None) -> list[Generation]:
   """Completes text prompts with a trained model: the Python twin of `launch.generate`.
 
   Prompts are decoded in batches of `batch_size` in their given order, right-padded to one
@@ -185,6 +186,11 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     steps_per_chunk: loop steps per chunk when streaming (None: the decoder's default).
     special_tokens: read special-token strings in the prompts (a rendered chat template's
       markers, as `chat` makes) as the model's special ids; by default they are plain text.
+    draft_vocab: drafting decoders: the heads draft over only the N most frequent token ids
+      of the training data (FR-Spec; counted once and cached in the workdir,
+      `draft_vocabulary`), a cheaper projection than the whole vocabulary's; drafts of other
+      ids are lost, output is unchanged (verification reads the whole vocabulary). None or 0:
+      the whole vocabulary.
 
   Returns:
     One `Generation` per prompt, in order.
@@ -200,6 +206,9 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   batch_size = _checked_batch_size(batch_size, len(texts))
   steps_per_chunk = request_lib.steps_per_chunk(steps_per_chunk, decoder)
   if isinstance(loaded, runtime.LoadedArtifact):
+    if draft_vocab:
+      raise ValueError('draft_vocab applies to a workdir or params export, not to a jax_export '
+                       'artifact (its programs are fixed)')
     return _generate_exported(loaded, texts, max_new_tokens=max_new_tokens, decoder=decoder,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               tree=tree, lookup=lookup, batch_size=batch_size, on_text=on_text,
@@ -215,14 +224,18 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
       max_seq_len=cfg.max_seq_len, eos_id=tokenizer.eos_id)
   options = dict(max_new_tokens=max_new_tokens, decoder=decoder, lookup=lookup,
                  temperature=temperature, top_k=top_k, top_p=top_p,
+                 draft_vocab_size=0 if draft_vocab is None else draft_vocab,
                  **_emittable(tokenizer, model.cfg))
-  if spec.drafts and isinstance(tree, str) and tree == 'auto':
-    # 'auto' measures the heads and the hardware (compiling the model): check the rest first.
+  if (spec.drafts and isinstance(tree, str) and tree == 'auto') or draft_vocab:
+    # 'auto' measures the heads and the hardware (compiling the model), a draft vocabulary
+    # counts the corpus: check the rest first.
     request_lib.make_request(model.cfg, padded.shape[1], **options)
   request = request_lib.make_request(
       model.cfg, padded.shape[1], tree=_tree(loaded, tree, batch_size) if spec.drafts else tree,
       **options)
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  if request.draft_vocab_size:
+    special['draft_vocab'] = draft_vocabulary(loaded, request.draft_vocab_size)
 
   prepared = state_lib.prepare(model)
   batches = _batches(padded, lengths, batch_size)
@@ -416,6 +429,23 @@ def _tree(loaded: LoadedModel, tree, batch_size: int):
     return cost_model.choose_tree(model, head_accuracies(loaded),
                                   cost=cost_model.step_cost(model, batch_size=batch_size))
   return tree
+
+
+def draft_vocabulary(loaded: LoadedModel, size: int) -> np.ndarray:
+  """[size] int32 token ids: the model's draft vocabulary of that size (FR-Spec).
+
+  The `size` most frequent ids of the training split of the workdir's corpus (most frequent
+  first; ties by id), ids the model never emits (the pad id, ids past the tokenizer's) last.
+  The counts are made once and cached in `workdir/token_counts.npy`
+  (`draft_vocab.workdir_counts`).
+  """
+  vocab_size = loaded.model.cfg.trunk.vocab_size
+  draft_vocab_lib.check_size(size, vocab_size)
+  counts = draft_vocab_lib.workdir_counts(loaded.workdir, loaded.config, loaded.tokenizer,
+                                          vocab_size)
+  emittable = _emittable(loaded.tokenizer, loaded.model.cfg)
+  return draft_vocab_lib.top_ids(counts, size, excluded=emittable['banned_ids'],
+                                 limit=emittable['vocab_limit'])
 
 
 def head_accuracies(loaded: LoadedModel, num_prompts: int = 8, top_k: int = 4) -> np.ndarray:

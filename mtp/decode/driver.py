@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.decode import draft_vocab as draft_vocab_lib
 from mtp.decode import lookup as lookup_lib
 from mtp.decode import request as request_lib
 from mtp.decode import row_mapped
@@ -74,6 +75,8 @@ class LoopState:
       loop then decodes one token per pass.
     break_even: [] float32 tokens per step below which drafting stops (`fallback` only).
     probe_steps: [] int32 steps drafted before the first such check.
+    draft_vocab: [N] int32 ids the heads draft over (`DecodeRequest.draft_vocab_size`; traced:
+      a new vocabulary of the same size does not recompile); [0] without a draft vocabulary.
   """
   tokens: Array
   num_generated: Array
@@ -91,6 +94,7 @@ class LoopState:
   drafting: Array
   break_even: Array
   probe_steps: Array
+  draft_vocab: Array
 
 
 # ------------------------------------------------------------------------------------------
@@ -99,17 +103,20 @@ class LoopState:
 
 
 def _drafts(tree: trees_lib.Tree, logits: Array | None, context: Array,
-            lengths: Array) -> Array:
+            lengths: Array, vocab: Array | None = None) -> Array:
   """Head logits [depth, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
 
   N - 1 drafts in tree order, root excluded; `context` and `lengths` (the position of the newest
-  token) feed the lookup chain, if the tree has one. A root-only tree drafts nothing.
+  token) feed the lookup chain, if the tree has one. A root-only tree drafts nothing. With a
+  draft vocabulary `vocab` [M], the logits are [depth, B, M] over its ids.
   """
   if tree.num_nodes == 1:
     return jnp.zeros((context.shape[0], 0), jnp.int32)
   if tree.is_chain:
-    return jnp.argmax(logits, axis=-1).T.astype(jnp.int32)
+    best = draft_vocab_lib.to_full_ids(jnp.argmax(logits, axis=-1), vocab)
+    return best.T.astype(jnp.int32)
   top = jax.lax.top_k(logits, max(tree.topk_per_depth))[1]  # [depth, B, R]
+  top = draft_vocab_lib.to_full_ids(top, vocab)
   copies = None
   if tree.lookup_depth:
     copies = lookup_lib.propose(context, lengths, tree.lookup_depth)
@@ -148,27 +155,41 @@ def _mask(logits: Array, request: DecodeRequest) -> Array:
 
 
 def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_index: Array,
-                 cache: kv_cache_lib.KVCache, lengths: Array):
-  """`model.draft_logits` for the tree's heads; (None, cache) when no head drafts."""
+                 cache: kv_cache_lib.KVCache, lengths: Array, vocab: Array | None = None):
+  """`model.draft_logits` for the tree's heads (over the draft vocabulary `vocab` [M], if
+  any: logits [depth, B, M]); (None, cache) when no head drafts."""
   if not request.tree.head_depth:
     return None, cache
   depth = request.tree.head_depth
   b = tokens.shape[0]
   # Columns after the run: the heads' own drafts are written there in turn (sequential).
   tokens = jnp.concatenate([tokens, jnp.zeros((b, depth), tokens.dtype)], axis=1)
-  logits, cache = model.draft_logits(features, tokens, last_index, cache, lengths, depth)
-  return _mask(logits, request), cache
+  if vocab is None:
+    logits, cache = model.draft_logits(features, tokens, last_index, cache, lengths, depth)
+    return _mask(logits, request), cache
+  logits, cache = model.draft_logits(features, tokens, last_index, cache, lengths, depth,
+                                     vocab=vocab)
+  return draft_vocab_lib.mask_ids(logits, vocab, request.vocab_limit, request.banned_ids), cache
+
+
+def _vocab(request: DecodeRequest, ids: Array) -> Array | None:
+  """The loop's draft vocabulary [M] as the heads take it: None when the request has none."""
+  return ids if request.draft_vocab_size else None
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'request'))
 def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
            pad_id: Array, active: Array, request: DecodeRequest,
-           break_even: Array | float = 0.0, probe_steps: Array | int = 8) -> LoopState:
+           break_even: Array | float = 0.0, probe_steps: Array | int = 8,
+           draft_vocab: Array | None = None) -> LoopState:
   """Prefills [B, P] right-padded prompts: each row's first token and first drafts.
 
   active: [B] rows to prefill; the others (fillers) are marked done (row-mapped requests skip
   their work).
+  draft_vocab: [M] int32 ids (`request.draft_vocab_size` = M > 0), else None.
   """
+  if draft_vocab is None:
+    draft_vocab = jnp.zeros((0,), jnp.int32)
   model = _model(state_lib.merge(structure, leaves), request, active)
   tree = request.tree
   b, p = prompts.shape
@@ -183,8 +204,9 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
   first = _sample(key, _logits(model, last_normed, request), request)
   known = kv_cache_lib.write_rows(jnp.pad(prompts, ((0, 0), (0, 1))),
                                   first[:, None].astype(prompts.dtype), lengths)
+  vocab = _vocab(request, draft_vocab)
   head_logits, cache = _head_logits(model, request, out.features, known, last_index, cache,
-                                    jnp.zeros((b,), jnp.int32))
+                                    jnp.zeros((b,), jnp.int32), vocab)
   buffer = jnp.full((b, request.max_new_tokens + request.depth + 1), pad_id, jnp.int32)
   context = jnp.zeros((b, 0), jnp.int32)
   if tree.lookup_depth:  # Spare columns: writes of a block near the end never clamp.
@@ -197,13 +219,15 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
       max_new_tokens=request.max_new_tokens)
   return LoopState(tokens=buffer, num_generated=num_generated, done=done | ~active,
                    last_token=first,
-                   drafts=_drafts(tree, head_logits, context, lengths), lengths=lengths,
+                   drafts=_drafts(tree, head_logits, context, lengths, vocab),
+                   lengths=lengths,
                    num_steps=jnp.zeros((b,), jnp.int32),
                    histogram=jnp.zeros((b, request.depth + 2), jnp.int32), cache=cache,
                    rng=rng, eos_id=eos_id, pad_id=pad_id, context=context,
                    drafting=jnp.asarray(request.drafts),
                    break_even=jnp.asarray(break_even, jnp.float32),
-                   probe_steps=jnp.asarray(probe_steps, jnp.int32))
+                   probe_steps=jnp.asarray(probe_steps, jnp.int32),
+                   draft_vocab=draft_vocab)
 
 
 def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Array):
@@ -281,13 +305,14 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
         f, path.reshape(path.shape + (1,) * (f.ndim - 2)), axis=1), out.features)
     known = kv_cache_lib.write_rows(jnp.pad(path_tokens, ((0, 0), (0, 1))),
                                     next_token[:, None], num_accepted + 1)
+    vocab = _vocab(request, s.draft_vocab)
     head_logits, cache = _head_logits(model, request, features, known, num_accepted, cache,
-                                      s.lengths)
+                                      s.lengths, vocab)
     lengths = s.lengths + num_accepted + 1
     context = s.context
     if tree.lookup_depth:  # Emitted tokens sit at positions s.lengths + 1 .. lengths.
       context = kv_cache_lib.write_rows(context, emitted, s.lengths + 1)
-    new_drafts = _drafts(tree, head_logits, context, lengths)
+    new_drafts = _drafts(tree, head_logits, context, lengths, vocab)
 
     active = ~s.done
     histogram = s.histogram + (
@@ -361,7 +386,7 @@ def result(state: LoopState, max_new_tokens: int) -> DecodeResult:
 
 def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *, rng=None,
            eos_id: int | None = None, pad_id: int = 0, hook_data=None,
-           break_even: float = 0.0, probe_steps: int = 8) -> DecodeResult:
+           break_even: float = 0.0, probe_steps: int = 8, draft_vocab=None) -> DecodeResult:
   """Decodes checked prompts (`request.check_prompts`) with a checked request.
 
   Args:
@@ -375,9 +400,12 @@ def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest,
     break_even: 'auto' requests (`request.fallback`): drafting's break-even in tokens per step
       (`auto.break_even` measures it; traced: no recompilation); 0: never stop drafting.
     probe_steps: 'auto' requests: steps drafted before the first check (`auto.probe_steps`).
+    draft_vocab: [M] distinct token ids the heads draft over, M = `request.draft_vocab_size`
+      (`draft_vocab.top_ids`; traced: no recompilation); None when the request has none.
   """
   prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id,
-                           break_even=break_even, probe_steps=probe_steps)
+                           break_even=break_even, probe_steps=probe_steps,
+                           draft_vocab=draft_vocab)
   state = _run(prepared.structure, prepared.leaves, state, jnp.int32(request.max_new_tokens),
                hook_data, request)
   return result(state, request.max_new_tokens)
@@ -387,7 +415,8 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
                   steps_per_chunk: int, rng=None, eos_id: int | None = None, pad_id: int = 0,
                   hook_data=None, active=None,
                   stop: Callable[[], np.ndarray | None] | None = None,
-                  break_even: float = 0.0, probe_steps: int = 8) -> Iterator[DecodeResult]:
+                  break_even: float = 0.0, probe_steps: int = 8,
+                  draft_vocab=None) -> Iterator[DecodeResult]:
   """Like `decode`, but yields the partial result (numpy) after the prefill and each chunk.
 
   The chunk size is not part of the compiled code; streaming costs one host round trip per
@@ -398,7 +427,7 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
     finished (a server's cancelled requests). Row-mapped requests then skip their work.
   """
   prepared, state = _begin(model, prompts, prompt_lengths, request, rng, eos_id, pad_id,
-                           active, break_even, probe_steps)
+                           active, break_even, probe_steps, draft_vocab)
   # Host copies: the next `_run` donates (invalidates) the state's device buffers.
   yield jax.device_get(result(state, request.max_new_tokens))
   while True:
@@ -413,9 +442,10 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
 
 
 def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, pad_id,
-           active=None, break_even: float = 0.0, probe_steps: int = 8):
+           active=None, break_even: float = 0.0, probe_steps: int = 8, draft_vocab=None):
   prepared = state_lib.prepare(model)
   break_even, probe_steps = request_lib.check_fallback(break_even, probe_steps)
+  draft_vocab = _checked_draft_vocab(prepared, request, draft_vocab)
   if active is None:
     active = np.ones(np.shape(prompts)[0], bool)
   prompts, prompt_lengths, active = state_lib.shard_rows(
@@ -424,28 +454,45 @@ def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, 
   state = _start(prepared.structure, prepared.leaves, prompts, prompt_lengths,
                  state_lib.as_key(rng), jnp.int32(-1 if eos_id is None else eos_id),
                  jnp.int32(pad_id), active, request, jnp.float32(break_even),
-                 jnp.int32(probe_steps))
+                 jnp.int32(probe_steps), draft_vocab=draft_vocab)
   return prepared, state
+
+
+def _checked_draft_vocab(model, request: DecodeRequest, ids) -> Array | None:
+  """The draft vocabulary's ids on device, checked against the request; None without one."""
+  if not request.draft_vocab_size:
+    if ids is not None:
+      raise ValueError('draft_vocab is given, but the request has draft_vocab_size 0')
+    return None
+  if ids is None:
+    raise ValueError(f'the request drafts over a draft vocabulary of '
+                     f'{request.draft_vocab_size} ids: pass them (draft_vocab=)')
+  return jnp.asarray(draft_vocab_lib.check_ids(ids, request.draft_vocab_size,
+                                               model.cfg.trunk.vocab_size))
 
 
 def seconds_per_step(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *,
                      drafting: bool, steps: int = 16, repeats: int = 3,
-                     warm_up: bool = True) -> float:
+                     warm_up: bool = True, draft_vocab=None) -> float:
   """Wall seconds per loop step of `request`'s compiled decoder on these prompts.
 
   drafting: time drafting steps (break-even 0: drafting never stops) or, with a request that
     can fall back (`request.fallback`), one-token steps: the same compiled loop, so that the
     two are compared on equal terms and measuring compiles nothing that decoding will not use.
   The fastest of `repeats` runs counts, after one untimed run that compiles (`warm_up`); rows
-  never stop at EOS.
+  never stop at EOS. draft_vocab: as in `decode`; None with a request that has one: its size's
+  first ids (which ids does not change the cost of a step).
   """
+  if request.draft_vocab_size and draft_vocab is None:
+    draft_vocab = np.arange(request.draft_vocab_size, dtype=np.int32)
   if not drafting and not request.fallback:
     raise ValueError('one-token steps of a request without fallback: time an autoregressive '
                      'request instead')
   prepared = state_lib.prepare(model)
   best = float('inf')
   for attempt in range(repeats + 1 if warm_up else repeats):
-    _, state = _begin(prepared, prompts, prompt_lengths, request, 0, None, 0)
+    _, state = _begin(prepared, prompts, prompt_lengths, request, 0, None, 0,
+                      draft_vocab=draft_vocab)
     if not drafting:
       state = state.replace(drafting=jnp.asarray(False))
     jax.block_until_ready(state)
@@ -469,8 +516,9 @@ class Slots:
   """
 
   def __init__(self, model, request: DecodeRequest, batch_size: int, *, rng=None,
-               eos_id: int | None = None, pad_id: int = 0, hook_data=None):
+               eos_id: int | None = None, pad_id: int = 0, hook_data=None, draft_vocab=None):
     self.prepared = state_lib.prepare(model)
+    self._draft_vocab = _checked_draft_vocab(self.prepared, request, draft_vocab)
     self.request, self.batch_size, self.hook_data = request, int(batch_size), hook_data
     self._eos = jnp.int32(-1 if eos_id is None else eos_id)
     self._pad = jnp.int32(pad_id)
@@ -484,7 +532,8 @@ class Slots:
     self._joins += 1
     fresh = _start(self.prepared.structure, self.prepared.leaves, jnp.asarray(prompts),
                    jnp.asarray(prompt_lengths), jax.random.fold_in(self._rng, self._joins),
-                   self._eos, self._pad, jnp.asarray(rows), self.request)
+                   self._eos, self._pad, jnp.asarray(rows), self.request,
+                   draft_vocab=self._draft_vocab)
     self.state = fresh if self.state is None else _splice(self.state, fresh, jnp.asarray(rows))
 
   def stop(self, rows) -> None:
@@ -511,13 +560,15 @@ def _splice(state: LoopState, fresh: LoopState, rows: Array) -> LoopState:
     if old.ndim == 0:
       return old
     return jnp.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
-  return jax.tree.map(pick, state, fresh)
+  # The draft vocabulary [M] is not per row: the same in both.
+  spliced = jax.tree.map(pick, state.replace(draft_vocab=None), fresh.replace(draft_vocab=None))
+  return spliced.replace(draft_vocab=state.draft_vocab)
 
 
 def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
              decoder: str = 'speculative', eos_id: int | None = None, pad_id: int = 0,
              rng=None, hook_data=None, break_even: float = 0.0, probe_steps: int = 8,
-             **options) -> DecodeResult:
+             draft_vocab=None, **options) -> DecodeResult:
   """Checks the request, then decodes: the one entry point of every decoder.
 
   Greedy (temperature 0) output of every decoder equals greedy autoregressive output token
@@ -531,6 +582,8 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
     max_new_tokens: tokens to generate per row at most.
     decoder: a name in `decoders.NAMES`.
     eos_id, pad_id, rng, hook_data, break_even, probe_steps: as in `decode`.
+    draft_vocab: [M] token ids the heads draft over (FR-Spec, `draft_vocab.top_ids`); the
+      request's `draft_vocab_size` is then M. None: the whole vocabulary.
     **options: the rest of `request.make_request`'s options: tree, lookup, temperature, top_k,
       top_p, cache_capacity, draft_hook, mesh.
 
@@ -541,15 +594,16 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
     ValueError naming the bad input, before anything is compiled.
   """
   prompts, prompt_lengths, request = _checked(model, prompts, prompt_lengths, max_new_tokens,
-                                              decoder, eos_id, hook_data, options)
+                                              decoder, eos_id, hook_data, options, draft_vocab)
   return decode(model, prompts, prompt_lengths, request, rng=rng, eos_id=eos_id, pad_id=pad_id,
-                hook_data=hook_data, break_even=break_even, probe_steps=probe_steps)
+                hook_data=hook_data, break_even=break_even, probe_steps=probe_steps,
+                draft_vocab=draft_vocab)
 
 
 def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
                     decoder: str = 'speculative', steps_per_chunk: int | None = None,
                     eos_id: int | None = None, pad_id: int = 0, rng=None, hook_data=None,
-                    break_even: float = 0.0, probe_steps: int = 8,
+                    break_even: float = 0.0, probe_steps: int = 8, draft_vocab=None,
                     **options) -> Iterator[DecodeResult]:
   """`generate`, yielding the partial result after the prefill and each chunk of steps.
 
@@ -557,21 +611,25 @@ def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
   """
   steps_per_chunk = request_lib.steps_per_chunk(steps_per_chunk, decoder)
   prompts, prompt_lengths, request = _checked(model, prompts, prompt_lengths, max_new_tokens,
-                                              decoder, eos_id, hook_data, options)
+                                              decoder, eos_id, hook_data, options, draft_vocab)
   return decode_chunks(model, prompts, prompt_lengths, request,
                        steps_per_chunk=steps_per_chunk, rng=rng, eos_id=eos_id,
                        pad_id=pad_id, hook_data=hook_data, break_even=break_even,
-                       probe_steps=probe_steps)
+                       probe_steps=probe_steps, draft_vocab=draft_vocab)
 
 
 def _checked(model, prompts, prompt_lengths, max_new_tokens, decoder, eos_id, hook_data,
-             options):
+             options, draft_vocab=None):
   if options.get('draft_hook') is None and hook_data is not None:
     raise ValueError('hook_data is given without a draft_hook')
   trunk = model.cfg.trunk
   prompts, prompt_lengths = request_lib.check_prompts(
       prompts, prompt_lengths, max_new_tokens=max_new_tokens, vocab_size=trunk.vocab_size,
       max_seq_len=trunk.max_seq_len, eos_id=eos_id)
+  if draft_vocab is not None:
+    options = dict(options, draft_vocab_size=int(np.shape(draft_vocab)[0])
+                   if np.ndim(draft_vocab) == 1 else -1)  # -1: make_request names the problem.
   request = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=max_new_tokens,
                                      decoder=decoder, **options)
+  _checked_draft_vocab(model, request, draft_vocab)
   return prompts, prompt_lengths, request

@@ -53,6 +53,9 @@ class DecodeRequest:
       The break-even and the probe are traced (`driver.decode(..., break_even=,
       probe_steps=)`; break-even 0: never stop), so measuring and using them share one
       compiled decoder.
+    draft_vocab_size: N > 0: the heads draft over a draft vocabulary of N ids (FR-Spec,
+      `draft_vocab.py`), which the decode call passes as a traced [N] array (a new vocabulary
+      of the same size compiles nothing); 0: over the whole vocabulary.
   """
   max_new_tokens: int
   capacity: int
@@ -66,6 +69,7 @@ class DecodeRequest:
   banned_ids: tuple[int, ...] = ()
   row_mapped: bool = False
   fallback: bool = False
+  draft_vocab_size: int = 0
 
   @property
   def masks_vocab(self) -> bool:
@@ -91,7 +95,8 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  cache_capacity: int | None = None, draft_hook: DraftHook | None = None,
                  mesh: jax.sharding.Mesh | None = None, vocab_limit: int | None = None,
-                 banned_ids: Sequence[int] = (), row_mapped: bool = False) -> DecodeRequest:
+                 banned_ids: Sequence[int] = (), row_mapped: bool = False,
+                 draft_vocab_size: int = 0) -> DecodeRequest:
   """Checks a user's decode options and returns the request they describe.
 
   Args:
@@ -111,6 +116,8 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
     vocab_limit: never emit ids >= this (a tokenizer smaller than the output layer).
     banned_ids: never emit these ids (a pad id that is not also EOS).
     row_mapped: batch-invariant decoding, row by row (`DecodeRequest.row_mapped`).
+    draft_vocab_size: drafting decoders with heads: the heads draft over a draft vocabulary of
+      this many ids (`DecodeRequest.draft_vocab_size`); 0: over the whole vocabulary.
 
   Raises:
     ValueError naming the bad option.
@@ -141,6 +148,8 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
   if candidates.topk_per_depth and max(candidates.topk_per_depth) > trunk.vocab_size:
     raise ValueError(f'the tree needs the top-{max(candidates.topk_per_depth)} drafts of a '
                      f'head, more than the vocabulary size {trunk.vocab_size}')
+  draft_vocab_size = _check_draft_vocab_size(draft_vocab_size, candidates, trunk.vocab_size,
+                                             decoder)
   return DecodeRequest(
       max_new_tokens=int(max_new_tokens),
       capacity=_capacity(prompt_width, int(max_new_tokens), candidates.num_nodes,
@@ -148,7 +157,23 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
       tree=candidates, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
       draft_hook=draft_hook, mesh=mesh, vocab_limit=vocab_limit, banned_ids=banned_ids,
       row_mapped=bool(row_mapped),
-      fallback=spec.adaptive and candidates.num_nodes > 1)
+      fallback=spec.adaptive and candidates.num_nodes > 1, draft_vocab_size=draft_vocab_size)
+
+
+def _check_draft_vocab_size(size, tree: trees_lib.Tree, vocab_size: int, decoder: str) -> int:
+  """The draft vocabulary's size, checked against the vocabulary and what the heads draft."""
+  if (isinstance(size, bool) or not isinstance(size, numbers.Integral)
+      or not 0 <= size <= vocab_size):
+    raise ValueError(f'draft_vocab (--draft_vocab) must be an integer in [0, {vocab_size}] '
+                     f'(0: the whole vocabulary), got {size!r}')
+  if size and not tree.head_depth:
+    raise ValueError(f'draft_vocab (--draft_vocab) applies to decoders whose heads draft; '
+                     f'{decoder!r} drafts nothing with heads here (autoregressive, or a model '
+                     'without MTP heads)')
+  if size and tree.topk_per_depth and max(tree.topk_per_depth) > size:
+    raise ValueError(f'the tree needs the top-{max(tree.topk_per_depth)} drafts of a head, more '
+                     f'than the draft vocabulary\'s {size} ids (draft_vocab)')
+  return int(size)
 
 
 def check_fallback(break_even, probe_steps) -> tuple[float, int]:

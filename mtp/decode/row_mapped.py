@@ -82,11 +82,11 @@ class RowMapped:
     out, _ = self._map(call, dict(x=normed, cache=jnp.zeros(normed.shape[:1])))
     return out
 
-  def draft_logits(self, features, tokens, last_index, cache, lengths, depth):
-    def call(r):
+  def draft_logits(self, features, tokens, last_index, cache, lengths, depth, vocab=None):
+    def call(r):  # The draft vocabulary [N] is the same for every row.
       logits, new_cache = self._model.draft_logits(r['features'], r['tokens'], r['last_index'],
-                                                   r['cache'], r['lengths'], depth)
-      return jnp.swapaxes(logits, 0, 1), new_cache  # [1, depth, V]: rows first.
+                                                   r['cache'], r['lengths'], depth, vocab=vocab)
+      return jnp.swapaxes(logits, 0, 1), new_cache  # [1, depth, V or N]: rows first.
 
     rows = dict(features=features, tokens=tokens, last_index=last_index, cache=cache,
                 lengths=lengths)

@@ -7,7 +7,8 @@ Entry points:
   * `step` (prefill and verification): T new tokens per row through the trunk with a KV cache,
     plus the `features` the heads draft from (computed in the same pass by families that run
     in it).
-  * `draft_logits`: the heads' draft logits [depth, B, V] at the last accepted token.
+  * `draft_logits`: the heads' draft logits [depth, B, V] at the last accepted token (or
+    [depth, B, N] over a draft vocabulary's N ids).
   * `logits`: projects hidden states through the shared output layer.
 
 Everything family-specific sits behind the `mtp.model.heads.HeadFamily` protocol.
@@ -216,8 +217,8 @@ class MTPModel(nnx.Module):
     return StepOutput(hidden=hidden, normed=normed, features=features), cache
 
   def draft_logits(self, features, tokens: Array, last_index: Array,
-                   cache: kv_cache_lib.KVCache, lengths: Array, depth: int
-                   ) -> tuple[Array, kv_cache_lib.KVCache]:
+                   cache: kv_cache_lib.KVCache, lengths: Array, depth: int,
+                   vocab: Array | None = None) -> tuple[Array, kv_cache_lib.KVCache]:
     """The heads' draft logits after a step, at the last accepted token of each row.
 
     Args:
@@ -229,9 +230,13 @@ class MTPModel(nnx.Module):
       cache: heads that attend keep their layers here (written at the run's slots).
       lengths: [B] committed slots before the run.
       depth: heads to read (1..K).
+      vocab: [N] int32 ids of a draft vocabulary (`decode.draft_vocab`): the heads project
+        onto those N rows of the output layer only; None: the whole vocabulary.
 
     Returns:
-      (logits [depth, B, V] of heads 1..depth, cache).
+      (logits [depth, B, V] of heads 1..depth, or [depth, B, N] over `vocab`'s ids, cache).
     """
+    # Passed only when given: a family written before draft vocabularies still drafts.
+    extra = {} if vocab is None else {'vocab': vocab}
     return self.heads.draft(self.trunk, features, tokens, last_index, cache, lengths, depth,
-                            first_layer=self.cfg.trunk.num_layers)
+                            first_layer=self.cfg.trunk.num_layers, **extra)

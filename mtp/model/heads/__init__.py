@@ -218,7 +218,8 @@ class HeadFamily(nnx.Module):
 
   def draft(self, trunk: transformer.Transformer, features: Any, tokens: Array,
             last_index: Array, cache: kv_cache_lib.KVCache, lengths: Array, depth: int,
-            first_layer: int) -> tuple[Array, kv_cache_lib.KVCache]:
+            first_layer: int, vocab: Array | None = None
+            ) -> tuple[Array, kv_cache_lib.KVCache]:
     """Draft logits at the last accepted token (see `MTPModel.draft_logits`).
 
     Args:
@@ -231,9 +232,12 @@ class HeadFamily(nnx.Module):
       lengths: [B] committed slots before the run.
       depth: heads to read (1..K).
       first_layer: the family's first cache layer.
+      vocab: [N] int32 ids of a draft vocabulary (FR-Spec), or None for all V. Project
+        through `DraftProjection(trunk, vocab)`: its logits are over those N ids, and a family
+        that feeds its own top-1 back maps it to a token id with `DraftProjection.token_ids`.
 
     Returns:
-      (float32 logits [depth, B, V] of heads 1..depth, cache).
+      (float32 logits [depth, B, V] of heads 1..depth, or [depth, B, N] over `vocab`, cache).
     """
     raise NotImplementedError
 
@@ -253,6 +257,37 @@ class HeadFamily(nnx.Module):
     holds none. Raises ValueError naming a file or tensor that does not fit."""
     del source
     return None
+
+
+class DraftProjection:
+  """The output layer as drafting uses it: the whole vocabulary, or the rows of a draft
+  vocabulary's N ids (FR-Spec), gathered once per drafting call and shared by every head.
+
+  Inside jitted code. `logits(x)` maps [..., D] to float32 [..., N] (N = V without a draft
+  vocabulary), `token_ids(index)` maps indices into those N back to token ids.
+  """
+
+  def __init__(self, trunk: transformer.Transformer, vocab: Array | None = None):
+    self.trunk, self.vocab = trunk, vocab
+    if vocab is None:
+      self._weights = None
+    elif trunk.cfg.tie_embeddings:
+      self._weights = trunk.embed(vocab)  # [N, D]: the tied output layer's rows are embeddings.
+    else:
+      self._weights = jnp.take(trunk.unembedding(), vocab, axis=1)  # [D, N]
+
+  def logits(self, x: Array) -> Array:
+    """Normalised features [..., D] -> float32 logits [..., N]."""
+    if self._weights is None:
+      return self.trunk.logits(x)
+    weights = self._weights.astype(transformer.dtype_of(self.trunk.cfg.dtype))
+    if self.trunk.cfg.tie_embeddings:
+      return jnp.einsum('...d,nd->...n', x, weights, preferred_element_type=jnp.float32)
+    return jnp.dot(x, weights, preferred_element_type=jnp.float32)
+
+  def token_ids(self, index: Array) -> Array:
+    """Indices into the N logits (any shape) -> token ids."""
+    return index if self.vocab is None else jnp.take(self.vocab, index, axis=0)
 
 
 def causal_mask(t: int) -> Array:

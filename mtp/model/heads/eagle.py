@@ -195,7 +195,9 @@ class EagleDrafter(heads.HeadFamily):
   def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer):
     return normed, cache
 
-  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
+  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer,
+            vocab=None):
+    project = heads.DraftProjection(trunk, vocab)
     t = features.shape[1]
     layer = self.layers[0]
     capacity = cache.capacity
@@ -206,18 +208,18 @@ class EagleDrafter(heads.HeadFamily):
     x = self._input(trunk, tokens[:, 1:1 + t], features)
     h, layer_cache = layer(x, positions, mask, heads.layer_cache(cache, first_layer), lengths)
     feature = kv_cache_lib.gather_rows(h, last_index)  # [B, D]
-    logits = [trunk.logits(feature)]
+    logits = [project.logits(feature)]
     slot = lengths + last_index
     for _ in range(1, depth):
       # One new entry per row, right after the previous one; a row at the cache's end writes
       # into its last slot, which no committed token uses (it has finished anyway).
       slot = slot + 1
-      drafted = jnp.argmax(logits[-1], axis=-1).astype(tokens.dtype)
+      drafted = project.token_ids(jnp.argmax(logits[-1], axis=-1)).astype(tokens.dtype)
       x = self._input(trunk, drafted[:, None], feature[:, None])
       h, layer_cache = layer(x, slot[:, None], transformer.cached_mask(
           slot, heads.causal_mask(1), capacity), layer_cache, slot)
       feature = h[:, 0]
-      logits.append(trunk.logits(feature))
+      logits.append(project.logits(feature))
     return jnp.stack(logits), transformer.replace_layers(cache, first_layer, [layer_cache])
 
   def hf_export(self, context: heads.HFExportContext) -> heads.HFExport:

@@ -130,7 +130,9 @@ class MedusaHeads(heads.HeadFamily):
                           options={'medusa_num_layers': counts['layers']},
                           params={'layers': layers})
 
-  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
+  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer,
+            vocab=None):
     # The cheap ResBlocks run on the one gathered position, not on the whole run.
     normed = kv_cache_lib.gather_rows(features, last_index)  # [B, D]
-    return trunk.logits(jnp.stack([self.layers[k](normed) for k in range(depth)])), cache
+    outputs = jnp.stack([self.layers[k](normed) for k in range(depth)])
+    return heads.DraftProjection(trunk, vocab).logits(outputs), cache

@@ -117,7 +117,8 @@ class ParallelHeads(heads.HeadFamily):
               for k in range(int(sub.config['num_heads']))}
     return heads.HFImport(num_heads=len(layers), options={}, params={'layers': layers})
 
-  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
+  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer,
+            vocab=None):
     at_last = kv_cache_lib.gather_rows(features, last_index)  # [B, K, D]
     outputs = jnp.moveaxis(at_last, 1, 0)[:depth]  # [depth, B, D]
-    return trunk.logits(outputs), cache
+    return heads.DraftProjection(trunk, vocab).logits(outputs), cache

@@ -92,17 +92,19 @@ class SequentialHeads(heads.HeadFamily):
   def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer):
     return hidden, cache
 
-  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer):
+  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer,
+            vocab=None):
+    project = heads.DraftProjection(trunk, vocab)
     t = features.shape[1]
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     h, logits = features, []
     for k in range(depth):
       h, normed, cache = self.module_step(trunk, k, h, tokens[:, k + 1:k + 1 + t], positions,
                                           cache, lengths, first_layer)
-      head = trunk.logits(kv_cache_lib.gather_rows(normed, last_index))  # [B, V]
+      head = project.logits(kv_cache_lib.gather_rows(normed, last_index))  # [B, V or N]
       logits.append(head)
       if k + 1 < depth:  # Module k + 2 reads this draft as token x_{t + k + 2} at last_index.
-        top1 = jnp.argmax(head, axis=-1).astype(tokens.dtype)
+        top1 = project.token_ids(jnp.argmax(head, axis=-1)).astype(tokens.dtype)
         tokens = kv_cache_lib.write_rows(tokens, top1[:, None], last_index + k + 2)
     return jnp.stack(logits), cache
 
