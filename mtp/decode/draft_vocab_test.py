@@ -225,6 +225,10 @@ def test_the_heads_project_onto_the_draft_vocabulary_rows():
                                       vocab=jnp.asarray(ORDER))
       np.testing.assert_allclose(ordered, np.asarray(full)[..., ORDER], rtol=1e-5, atol=1e-5,
                                  err_msg=f'{head_type} tied={tie}')
+      # Rows gathered once ahead (as the decode loop does) project alike.
+      gathered, _ = model.draft_logits(out.features, tokens, last, cache, lengths, 3,
+                                       vocab=model.draft_vocab(jnp.asarray(ORDER)))
+      np.testing.assert_allclose(gathered, ordered, rtol=1e-6, atol=1e-6)
       small, _ = model.draft_logits(out.features, tokens, last, cache, lengths, 1,
                                     vocab=jnp.asarray(SMALL))
       np.testing.assert_allclose(small, np.asarray(full)[:1, :, SMALL], rtol=1e-5, atol=1e-5)

@@ -103,20 +103,21 @@ class LoopState:
 
 
 def _drafts(tree: trees_lib.Tree, logits: Array | None, context: Array,
-            lengths: Array, vocab: Array | None = None) -> Array:
+            lengths: Array, vocab=None) -> Array:
   """Head logits [depth, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
 
   N - 1 drafts in tree order, root excluded; `context` and `lengths` (the position of the newest
   token) feed the lookup chain, if the tree has one. A root-only tree drafts nothing. With a
-  draft vocabulary `vocab` [M], the logits are [depth, B, M] over its ids.
+  draft vocabulary `vocab` (`MTPModel.draft_vocab`, M ids), the logits are [depth, B, M] over
+  its ids.
   """
   if tree.num_nodes == 1:
     return jnp.zeros((context.shape[0], 0), jnp.int32)
   if tree.is_chain:
-    best = draft_vocab_lib.to_full_ids(jnp.argmax(logits, axis=-1), vocab)
+    best = draft_vocab_lib.to_full_ids(jnp.argmax(logits, axis=-1), _ids(vocab))
     return best.T.astype(jnp.int32)
   top = jax.lax.top_k(logits, max(tree.topk_per_depth))[1]  # [depth, B, R]
-  top = draft_vocab_lib.to_full_ids(top, vocab)
+  top = draft_vocab_lib.to_full_ids(top, _ids(vocab))
   copies = None
   if tree.lookup_depth:
     copies = lookup_lib.propose(context, lengths, tree.lookup_depth)
@@ -155,9 +156,9 @@ def _mask(logits: Array, request: DecodeRequest) -> Array:
 
 
 def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_index: Array,
-                 cache: kv_cache_lib.KVCache, lengths: Array, vocab: Array | None = None):
-  """`model.draft_logits` for the tree's heads (over the draft vocabulary `vocab` [M], if
-  any: logits [depth, B, M]); (None, cache) when no head drafts."""
+                 cache: kv_cache_lib.KVCache, lengths: Array, vocab=None):
+  """`model.draft_logits` for the tree's heads (over the draft vocabulary `vocab` of M ids,
+  if any: logits [depth, B, M]); (None, cache) when no head drafts."""
   if not request.tree.head_depth:
     return None, cache
   depth = request.tree.head_depth
@@ -169,12 +170,18 @@ def _head_logits(model, request: DecodeRequest, features, tokens: Array, last_in
     return _mask(logits, request), cache
   logits, cache = model.draft_logits(features, tokens, last_index, cache, lengths, depth,
                                      vocab=vocab)
-  return draft_vocab_lib.mask_ids(logits, vocab, request.vocab_limit, request.banned_ids), cache
+  return (draft_vocab_lib.mask_ids(logits, vocab.ids, request.vocab_limit, request.banned_ids),
+          cache)
 
 
-def _vocab(request: DecodeRequest, ids: Array) -> Array | None:
-  """The loop's draft vocabulary [M] as the heads take it: None when the request has none."""
-  return ids if request.draft_vocab_size else None
+def _vocab(model, request: DecodeRequest, ids: Array):
+  """The draft vocabulary of ids [M] as the heads take it (`MTPModel.draft_vocab`: its rows of
+  the output layer, gathered once, outside the loop's steps); None when the request has none."""
+  return model.draft_vocab(ids) if request.draft_vocab_size else None
+
+
+def _ids(vocab) -> Array | None:
+  return None if vocab is None else vocab.ids
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'request'))
@@ -204,7 +211,7 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
   first = _sample(key, _logits(model, last_normed, request), request)
   known = kv_cache_lib.write_rows(jnp.pad(prompts, ((0, 0), (0, 1))),
                                   first[:, None].astype(prompts.dtype), lengths)
-  vocab = _vocab(request, draft_vocab)
+  vocab = _vocab(model, request, draft_vocab)
   head_logits, cache = _head_logits(model, request, out.features, known, last_index, cache,
                                     jnp.zeros((b,), jnp.int32), vocab)
   buffer = jnp.full((b, request.max_new_tokens + request.depth + 1), pad_id, jnp.int32)
@@ -277,6 +284,8 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
   tree, depth = request.tree, request.depth
   num_verified_layers = base.num_verified_cache_layers
   columns = jnp.arange(depth + 1)[None, :]
+  # Gathered once per call, outside the steps (XLA does not hoist it out of a cond branch).
+  vocab = _vocab(base, request, state.draft_vocab)
 
   def cond(carry):
     i, s = carry
@@ -305,7 +314,6 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
         f, path.reshape(path.shape + (1,) * (f.ndim - 2)), axis=1), out.features)
     known = kv_cache_lib.write_rows(jnp.pad(path_tokens, ((0, 0), (0, 1))),
                                     next_token[:, None], num_accepted + 1)
-    vocab = _vocab(request, s.draft_vocab)
     head_logits, cache = _head_logits(model, request, features, known, num_accepted, cache,
                                       s.lengths, vocab)
     lengths = s.lengths + num_accepted + 1

@@ -216,6 +216,11 @@ class MTPModel(nnx.Module):
                                           first_layer=self.cfg.trunk.num_layers)
     return StepOutput(hidden=hidden, normed=normed, features=features), cache
 
+  def draft_vocab(self, ids: Array) -> heads_lib.DraftVocab:
+    """A draft vocabulary's ids [N] with their output-layer rows, gathered once for many
+    `draft_logits` calls (e.g. outside a decode loop's steps)."""
+    return heads_lib.gather_draft_vocab(self.trunk, ids)
+
   def draft_logits(self, features, tokens: Array, last_index: Array,
                    cache: kv_cache_lib.KVCache, lengths: Array, depth: int,
                    vocab: Array | None = None) -> tuple[Array, kv_cache_lib.KVCache]:
@@ -230,8 +235,9 @@ class MTPModel(nnx.Module):
       cache: heads that attend keep their layers here (written at the run's slots).
       lengths: [B] committed slots before the run.
       depth: heads to read (1..K).
-      vocab: [N] int32 ids of a draft vocabulary (`decode.draft_vocab`): the heads project
-        onto those N rows of the output layer only; None: the whole vocabulary.
+      vocab: a draft vocabulary (`decode.draft_vocab`): `draft_vocab(ids)`'s result, or its
+        [N] int32 ids (gathered on each call); the heads project onto those N rows of the
+        output layer only. None: the whole vocabulary.
 
     Returns:
       (logits [depth, B, V] of heads 1..depth, or [depth, B, N] over `vocab`'s ids, cache).

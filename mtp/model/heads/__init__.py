@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar, Mapping
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -232,9 +233,10 @@ class HeadFamily(nnx.Module):
       lengths: [B] committed slots before the run.
       depth: heads to read (1..K).
       first_layer: the family's first cache layer.
-      vocab: [N] int32 ids of a draft vocabulary (FR-Spec), or None for all V. Project
-        through `DraftProjection(trunk, vocab)`: its logits are over those N ids, and a family
-        that feeds its own top-1 back maps it to a token id with `DraftProjection.token_ids`.
+      vocab: a draft vocabulary (FR-Spec) of N ids: a `DraftVocab` or [N] int32 ids; None
+        for all V. Project through `DraftProjection(trunk, vocab)`: its logits are over those
+        N ids, and a family that feeds its own top-1 back maps it to a token id with
+        `DraftProjection.token_ids`.
 
     Returns:
       (float32 logits [depth, B, V] of heads 1..depth, or [depth, B, N] over `vocab`, cache).
@@ -259,35 +261,58 @@ class HeadFamily(nnx.Module):
     return None
 
 
+@flax.struct.dataclass
+class DraftVocab:
+  """A draft vocabulary (FR-Spec) ready for drafting: its ids and their output-layer rows.
+
+  Gathered once (`gather_draft_vocab`) outside the decode loop's steps, so that drafting
+  reads N rows instead of the whole [V, D] matrix and copies nothing per step.
+
+  Attributes:
+    ids: [N] int32 token ids.
+    weights: the output layer at those ids in the compute dtype: [N, D] rows of a tied
+      embedding, else [D, N] columns of the output matrix.
+  """
+  ids: Array
+  weights: Array
+
+
+def gather_draft_vocab(trunk: transformer.Transformer, ids: Array) -> DraftVocab:
+  """`DraftVocab` of token ids [N] (inside jitted code)."""
+  dtype = transformer.dtype_of(trunk.cfg.dtype)
+  if trunk.cfg.tie_embeddings:
+    weights = trunk.embed(ids)  # [N, D]: the tied output layer's rows are embeddings.
+  else:
+    weights = jnp.take(trunk.unembedding(), ids, axis=1)  # [D, N]
+  return DraftVocab(ids=ids, weights=weights.astype(dtype))
+
+
 class DraftProjection:
-  """The output layer as drafting uses it: the whole vocabulary, or the rows of a draft
-  vocabulary's N ids (FR-Spec), gathered once per drafting call and shared by every head.
+  """The output layer as drafting uses it: the whole vocabulary, or a draft vocabulary's N
+  ids (FR-Spec) only.
 
   Inside jitted code. `logits(x)` maps [..., D] to float32 [..., N] (N = V without a draft
   vocabulary), `token_ids(index)` maps indices into those N back to token ids.
   """
 
-  def __init__(self, trunk: transformer.Transformer, vocab: Array | None = None):
+  def __init__(self, trunk: transformer.Transformer, vocab: DraftVocab | Array | None = None):
+    """vocab: a `DraftVocab`, token ids [N] (gathered here, once for every head), or None."""
+    if vocab is not None and not isinstance(vocab, DraftVocab):
+      vocab = gather_draft_vocab(trunk, vocab)
     self.trunk, self.vocab = trunk, vocab
-    if vocab is None:
-      self._weights = None
-    elif trunk.cfg.tie_embeddings:
-      self._weights = trunk.embed(vocab)  # [N, D]: the tied output layer's rows are embeddings.
-    else:
-      self._weights = jnp.take(trunk.unembedding(), vocab, axis=1)  # [D, N]
 
   def logits(self, x: Array) -> Array:
     """Normalised features [..., D] -> float32 logits [..., N]."""
-    if self._weights is None:
+    if self.vocab is None:
       return self.trunk.logits(x)
-    weights = self._weights.astype(transformer.dtype_of(self.trunk.cfg.dtype))
     if self.trunk.cfg.tie_embeddings:
-      return jnp.einsum('...d,nd->...n', x, weights, preferred_element_type=jnp.float32)
-    return jnp.dot(x, weights, preferred_element_type=jnp.float32)
+      return jnp.einsum('...d,nd->...n', x, self.vocab.weights,
+                        preferred_element_type=jnp.float32)
+    return jnp.dot(x, self.vocab.weights, preferred_element_type=jnp.float32)
 
   def token_ids(self, index: Array) -> Array:
     """Indices into the N logits (any shape) -> token ids."""
-    return index if self.vocab is None else jnp.take(self.vocab, index, axis=0)
+    return index if self.vocab is None else jnp.take(self.vocab.ids, index, axis=0)
 
 
 def causal_mask(t: int) -> Array:
