@@ -1,0 +1,200 @@
+r"""Draft vocabularies (FR-Spec) side by side: what a smaller drafting projection saves and costs.
+
+  python -m benchmarks.draft_vocab [--workdir=workdirs/code_small] [--sizes=256,512,1024,2048,0]
+
+On a trained workdir, greedy, on held-out code prompts (the first lines of code of installed
+packages the model never saw, as `benchmarks.decode` builds them), for each batch size and each
+draft vocabulary size N (0: the whole vocabulary), a speculative chain of all heads:
+  * tokens per loop step, and how many of the autoregressive output's tokens lie inside the
+    draft vocabulary (drafts of other tokens are impossible, an upper bound on acceptance);
+  * seconds per drafting step relative to a one-token (autoregressive) step, timed on the
+    compiled loops (`driver.seconds_per_step`, best of --step_repeats);
+  * tokens/s and the speedup over autoregressive decoding; decoders take turns within each
+    repeat so that machine load hits them alike; medians over --repeats;
+  * whether every output equals the autoregressive one token for token.
+The load average is printed before and after (the machine may be shared).
+
+Prints a table and writes results/draft_vocab.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import time
+
+from absl import app
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('workdir', 'workdirs/code_small', 'Trained workdir with MTP heads.')
+flags.DEFINE_list('sizes', ['256', '512', '1024', '2048', '0'],
+                  'Draft vocabulary sizes (0: the whole vocabulary).')
+flags.DEFINE_list('batch_sizes', ['1', '8'], 'Batch sizes to measure.')
+flags.DEFINE_integer('num_prompts', 8, 'Held-out code prompts.')
+flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as fit.')
+flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
+flags.DEFINE_integer('repeats', 3, 'Timed generation repeats (medians).')
+flags.DEFINE_integer('step_repeats', 5, 'Timed runs per step cost (the fastest counts).')
+flags.DEFINE_string('tree', 'chain', "Candidates: 'chain' (every head's top-1) or 'default'.")
+flags.DEFINE_string('output', 'results/draft_vocab.json', 'JSON results.')
+
+
+def _tokens_per_sec(generations, batch_size: int) -> float:
+  """All tokens over the summed wall time of the batches (rows of a batch share its time)."""
+  seconds = sum(g.seconds for g in generations[::batch_size])
+  return sum(len(g.tokens) for g in generations) / seconds
+
+
+def _step_costs(loaded, prompts, batch_size: int, sizes: list[int], tree) -> dict[int, float]:
+  """Seconds per drafting step / seconds per autoregressive step, per draft vocabulary size."""
+  from mtp.decode import driver
+  from mtp.decode import request as request_lib
+  from mtp.decode import state as state_lib
+  import mtp
+
+  tokenizer, model = loaded.tokenizer, loaded.model
+  rows = (prompts * batch_size)[:batch_size]
+  # Padded as mtp.generate pads them: the same compiled loops.
+  padded, lengths = state_lib.pad_prompts(
+      tokenizer.encode_batch(rows), tokenizer.pad_id,
+      multiple=mtp.api._PROMPT_WIDTH_MULTIPLE)  # pylint: disable=protected-access
+  prepared = state_lib.prepare(model)
+  common = dict(max_new_tokens=FLAGS.max_new_tokens,
+                **mtp.api._emittable(tokenizer, model.cfg))  # pylint: disable=protected-access
+
+  def seconds(request, ids=None):
+    return driver.seconds_per_step(prepared, padded, lengths, request, drafting=True,
+                                   repeats=FLAGS.step_repeats, draft_vocab=ids)
+
+  one_token = seconds(request_lib.make_request(model.cfg, padded.shape[1],
+                                               decoder='autoregressive', **common))
+  out = {}
+  for n in sizes:
+    request = request_lib.make_request(model.cfg, padded.shape[1], decoder='speculative',
+                                       tree=tree, draft_vocab_size=n, **common)
+    ids = mtp.api.draft_vocabulary(loaded, n) if n else None
+    out[n] = seconds(request, ids) / one_token
+  out['one_token_seconds'] = one_token
+  return out
+
+
+def measure() -> dict:
+  import mtp
+  from mtp.data import corpora
+  from mtp.decode import calibration
+  from mtp.decode import cost_model
+  from mtp.decode import trees
+
+  loaded = mtp.load(FLAGS.workdir)
+  model, tokenizer = loaded.model, loaded.tokenizer
+  vocab_size = model.cfg.trunk.vocab_size
+  sizes = [int(s) for s in FLAGS.sizes]
+  tree = None if FLAGS.tree == 'chain' else trees.medusa_default_tree(model.mtp_num_heads)
+  prompts = calibration.code_prompts(corpora.heldout_files(), tokenizer, FLAGS.num_prompts,
+                                     max_tokens=FLAGS.prompt_tokens,
+                                     min_tokens=FLAGS.prompt_tokens // 2)
+  print(f'{FLAGS.workdir}: {model.mtp_num_heads} {model.cfg.mtp_head_type} heads, V='
+        f'{vocab_size}, step {loaded.step}; {len(prompts)} held-out prompts, '
+        f'{FLAGS.max_new_tokens} new tokens, tree {FLAGS.tree}', flush=True)
+  load_before = os.getloadavg()
+  print(f'load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}',
+        flush=True)
+  start = time.perf_counter()
+  counts_ids = mtp.api.draft_vocabulary(loaded, max(max(sizes), 1))  # Counts (cached) first.
+  print(f'token counts ready in {time.perf_counter() - start:.1f}s', flush=True)
+  del counts_ids
+
+  batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+  names = ['autoregressive'] + [f'N={n or vocab_size}' for n in sizes]
+  settings = {'autoregressive': ('autoregressive', None, None)}
+  settings.update({f'N={n or vocab_size}': ('speculative', tree, n or None) for n in sizes})
+  runs = {b: {name: [] for name in names} for b in batch_sizes}
+  for repeat in range(FLAGS.repeats):
+    for b in batch_sizes:
+      for name in names:
+        decoder, t, n = settings[name]
+        gens = mtp.generate(loaded, prompts, max_new_tokens=FLAGS.max_new_tokens,
+                            decoder=decoder, tree=t, batch_size=b, draft_vocab=n)
+        runs[b][name].append(gens)
+        print(f'  repeat {repeat + 1}/{FLAGS.repeats} batch {b} {name}: '
+              f'{_tokens_per_sec(gens, b):.1f} tokens/s', flush=True)
+
+  costs = {}
+  for b in batch_sizes:
+    costs[b] = _step_costs(loaded, prompts, b, sizes, tree)
+    print(f'  batch {b}: seconds per drafting step / one-token step: ' + ', '.join(
+        f'N={n or vocab_size}: {costs[b][n]:.2f}' for n in sizes), flush=True)
+
+  reference_tokens = [g.tokens for g in runs[batch_sizes[0]]['autoregressive'][0]]
+  rows = []
+  for b in batch_sizes:
+    reference = runs[b]['autoregressive']
+    for name in names:
+      decoder, _, n = settings[name]
+      gens = runs[b][name]
+      tps = [_tokens_per_sec(g, b) for g in gens]
+      steps = sum(g.num_steps for g in gens[0])
+      emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in gens[0])
+      mismatches = sum(g.tokens != r.tokens for g, r in zip(gens[0], reference[0]))
+      row = dict(batch_size=b, decoder=name, draft_vocab=n or 0,
+                 tokens_per_sec=statistics.median(tps),
+                 speedup=statistics.median(
+                     [_tokens_per_sec(g, b) / _tokens_per_sec(r, b)
+                      for g, r in zip(gens, reference)]),
+                 mean_accepted=emitted / max(steps, 1), outputs_match=mismatches == 0,
+                 mismatched_prompts=mismatches, tokens_per_sec_runs=tps)
+      if decoder != 'autoregressive':
+        size = n or vocab_size
+        row['step_cost'] = costs[b][n or 0]
+        ids = set(mtp.api.draft_vocabulary(loaded, size).tolist())
+        flat = [t for tokens in reference_tokens for t in tokens]
+        row['reference_tokens_in_vocab'] = sum(t in ids for t in flat) / max(len(flat), 1)
+      rows.append(row)
+  load_after = os.getloadavg()
+  print(f'load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}')
+  return dict(workdir=FLAGS.workdir, step=loaded.step, head_type=model.cfg.mtp_head_type,
+              num_heads=model.mtp_num_heads, vocab_size=vocab_size, tree=FLAGS.tree,
+              num_prompts=len(prompts), max_new_tokens=FLAGS.max_new_tokens,
+              repeats=FLAGS.repeats, step_repeats=FLAGS.step_repeats,
+              one_token_seconds={b: costs[b]['one_token_seconds'] for b in batch_sizes},
+              load_average_before=load_before, load_average_after=load_after, rows=rows,
+              device=cost_model.device_kind())
+
+
+def print_table(result: dict) -> None:
+  print(f'\n{result["workdir"]} ({result["num_heads"]} {result["head_type"]} heads, '
+        f'V={result["vocab_size"]}), {result["num_prompts"]} held-out prompts, greedy, '
+        f'{result["tree"]}, {result["max_new_tokens"]} new tokens, median of '
+        f'{result["repeats"]}')
+  print(f'{"batch":>5}  {"decoder":<15} {"in vocab":>8} {"tok/step":>8} {"step cost":>9} '
+        f'{"tokens/s":>9} {"speedup":>7}  exact')
+  for r in result['rows']:
+    in_vocab = (f'{r["reference_tokens_in_vocab"]:.3f}' if 'reference_tokens_in_vocab' in r
+                else '-')
+    cost = f'{r["step_cost"]:.2f}x' if 'step_cost' in r else '1.00x'
+    print(f'{r["batch_size"]:>5}  {r["decoder"]:<15} {in_vocab:>8} {r["mean_accepted"]:>8.2f} '
+          f'{cost:>9} {r["tokens_per_sec"]:>9.1f} {r["speedup"]:>6.2f}x  '
+          f'{"yes" if r["outputs_match"] else "NO (%d)" % r["mismatched_prompts"]}')
+  print('in vocab: share of the autoregressive output\'s tokens inside the draft vocabulary; '
+        'step cost: seconds per drafting step / one-token step')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)
+  start = time.perf_counter()
+  result = measure()
+  print_table(result)
+  output = pathlib.Path(FLAGS.output)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  output.write_text(json.dumps(result, indent=1))
+  print(f'\nwrote {output} ({time.perf_counter() - start:.0f}s)')
+
+
+if __name__ == '__main__':
+  app.run(main)
