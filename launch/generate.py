@@ -50,8 +50,10 @@ flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 flags.DEFINE_integer('batch_size', 1, 'Prompts decoded together.')
 flags.DEFINE_string('tree', None, 'Speculative candidates: chain (default), default, auto, or '
                     'Medusa-style choices as JSON, e.g. "[[0], [1], [0, 0]]".')
-flags.DEFINE_integer('lookup', 0, 'Speculative, greedy: add a chain of this many prompt-lookup '
-                     'drafts (copies of what followed the text\'s last tokens before) to the tree.')
+flags.DEFINE_integer('lookup', None, 'Drafting decoders, greedy: add a chain of this many '
+                     'prompt-lookup drafts (copies of what followed the text\'s last tokens '
+                     'before) to the tree. Default: 8 for auto (verified only where they look '
+                     'likely to pass), 0 otherwise.')
 flags.DEFINE_integer('draft_vocab', 0, 'Drafting decoders: the heads draft over only the N most '
                      'frequent token ids of the training data (FR-Spec; counted once, cached in '
                      'the workdir); 0 = the whole vocabulary. Output is unchanged.')

@@ -8,6 +8,7 @@ like a workdir; a jax_export directory loads as `export.runtime.LoadedArtifact`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -144,7 +145,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
              *, max_new_tokens: int, decoder: str = decoders.DEFAULT, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              tree: str | Sequence[Sequence[int]] | trees_lib.Tree | None = None,
-             lookup: int = 0, batch_size: int | None = None, on_text: TextCallback | None = None,
+             lookup: int | None = None, batch_size: int | None = None,
+             on_text: TextCallback | None = None,
              steps_per_chunk: int | None = None, special_tokens: bool = False,
              draft_vocab: int | None = None) -> list[Generation]:
   """Completes text prompts with a trained model: the Python twin of `launch.generate`.
@@ -175,9 +177,11 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
       validation files and cached in the workdir, sized by the measured verification cost
       curve of this hardware and batch size), Medusa-style choices (rank paths), or a
       `trees.Tree`.
-    lookup: speculative and greedy only: also draft this many tokens by prompt lookup, a
+    lookup: drafting decoders, greedy only: also draft this many tokens by prompt lookup, a
       copy of what followed the latest earlier occurrence of the text's last tokens, as one
       more chain below the tree's root (`trees.with_lookup`). Strong on repetitive text.
+      None: the decoder's default (`decoders.default_lookup`): 8 for 'auto' when greedy,
+      which verifies them only in steps where they look likely to pass; 0 otherwise.
     batch_size: prompts per batch (None: all in one).
     on_text: if given, the decode loop runs a chunk of steps at a time and
       `on_text(prompt_index, text, finished)` receives each prompt's text as it is accepted
@@ -211,10 +215,12 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
                        'artifact (its programs are fixed)')
     return _generate_exported(loaded, texts, max_new_tokens=max_new_tokens, decoder=decoder,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              tree=tree, lookup=lookup, batch_size=batch_size, on_text=on_text,
+                              tree=tree, lookup=lookup or 0, batch_size=batch_size,
+                              on_text=on_text,
                               special_tokens=special_tokens)
 
   model, tokenizer = loaded.model, loaded.tokenizer
+  lookup = decoders.default_lookup(decoder, lookup, temperature, model.cfg.mtp_num_heads)
   padded, lengths = state_lib.pad_prompts(_encode(tokenizer, texts, special_tokens),
                                           tokenizer.pad_id, multiple=_PROMPT_WIDTH_MULTIPLE)
   # The whole request at once, so a row index is the prompt's index.
@@ -249,9 +255,15 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   fallback = {}
   if request.fallback:  # 'auto': what a drafting step costs here, timed on the same program.
     from mtp.decode import auto
-    break_even = auto.break_even(prepared, batches[0][1], batches[0][2], request)
-    fallback = dict(break_even=break_even,
-                    probe_steps=auto.probe_steps(break_even, max_new_tokens))
+    measure = functools.partial(auto.break_even, prepared, batches[0][1], batches[0][2],
+                                request)
+    whole = measure()
+    fallback = dict(break_even=whole, probe_steps=auto.probe_steps(whole, max_new_tokens))
+    if request.tree.lookup_depth:  # The heads' block alone is the other kind of step.
+      heads = measure(heads_only=True)
+      fallback = dict(break_even=(heads, whole), probe_steps=(
+          auto.probe_steps(heads, max_new_tokens),
+          auto.probe_steps(whole, max_new_tokens, least=auto.LOOKUP_LEAST_PROBE)))
 
   results = []
   root_key = jax.random.key(seed)

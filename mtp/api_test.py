@@ -59,7 +59,8 @@ def test_generate_speculative_equals_autoregressive_greedy_across_batching(workd
     assert g.prompt == prompt
     assert g.completion == loaded.tokenizer.decode(g.tokens)
     assert g.num_prompt_tokens == len(loaded.tokenizer.encode(prompt))
-    assert len(g.accepted_histogram) == loaded.config.model.mtp_num_heads + 2
+    # 'auto' greedy adds 8 lookup drafts (verified only where they promise): depth 8.
+    assert len(g.accepted_histogram) == max(loaded.config.model.mtp_num_heads, 8) + 2
     emitted = sum(j * c for j, c in enumerate(g.accepted_histogram))
     assert sum(g.accepted_histogram) == g.num_steps and emitted + 1 == len(g.tokens)
     assert g.mean_accepted == pytest.approx(emitted / max(g.num_steps, 1))

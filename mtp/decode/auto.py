@@ -11,6 +11,10 @@ break-even, checked after a probe of a few steps (`probe_steps`: as many as keep
 case, every draft rejected, within 5% of the call's one-token steps), so 'auto' loses at most
 that to autoregressive decoding.
 
+A tree with a lookup chain has two kinds of drafting step (`driver.LoopState`): the whole
+block where the lookup drafts look likely to pass, the heads' block elsewhere. Each has its
+own break-even (`heads_only`) and stops on its own.
+
 Measured once and cached in a JSON file (`break_even.json` beside `cost_model`'s step costs,
 `$MTP_CACHE_DIR` or ~/.cache/mtp), keyed by device kind, model shape and request.
 """
@@ -30,7 +34,7 @@ _FILE_NAME = 'break_even.json'
 
 
 def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
-              prompt_width: int) -> str:
+              prompt_width: int, heads_only: bool = False) -> str:
   """Everything that changes the ratio: device, model shape, batch, block, sampling, width."""
   tree = request.tree
   block = hashlib.sha1(repr((tree.choices, tree.lookup_depth)).encode()).hexdigest()[:10]
@@ -39,12 +43,13 @@ def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
   return (f'{cost_model.device_kind()}|{cost_model.model_key(model)}|B{batch_size}'
           f'|P{prompt_width}|N{tree.num_nodes}-{block}|{sampling}'
           f'|new{request.max_new_tokens}|{"rows" if request.row_mapped else "batch"}'
-          f'|mesh{request.mesh.shape if request.mesh is not None else None}')
+          f'|mesh{request.mesh.shape if request.mesh is not None else None}'
+          f'{"|heads" if heads_only else ""}|V{request.draft_vocab_size}')
 
 
 def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeRequest, *,
                cache_dir: str | None = None, refresh: bool = False, steps: int = 16,
-               repeats: int = 5) -> float:
+               repeats: int = 5, heads_only: bool = False) -> float:
   """Seconds per drafting step / seconds per one-token step of `request` on `prompts`.
 
   Args:
@@ -55,6 +60,8 @@ def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeReques
     refresh: measure again even when cached.
     steps, repeats: loop steps per timed run, and timed pairs of runs (the median ratio
       counts).
+    heads_only: a request with a lookup chain: the heads' block alone (the loop's other kind
+      of drafting step, `driver.LoopState`); else the whole block.
 
   Returns:
     The break-even in tokens per step (>= 0; a ratio below 1 means drafting costs nothing).
@@ -62,7 +69,7 @@ def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeReques
   if not request.fallback:
     raise ValueError('break_even needs an \'auto\' request that drafts (request.fallback)')
   b, p = jax.numpy.shape(prompts)
-  key = cache_key(model, request, b, p)
+  key = cache_key(model, request, b, p, heads_only)
   path = os.path.join(cache_dir or cost_model.default_cache_dir(), _FILE_NAME)
   table = cost_model.read_table(path)
   cached = table.get(key)
@@ -70,7 +77,8 @@ def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeReques
     return float(cached['break_even'])
   def timed(drafting: bool, warm_up: bool = False) -> float:
     return driver.seconds_per_step(model, prompts, prompt_lengths, request, drafting=drafting,
-                                   steps=steps, repeats=1, warm_up=warm_up)
+                                   heads_only=heads_only and drafting, steps=steps,
+                                   repeats=1, warm_up=warm_up)
 
   timed(True, warm_up=True)  # Compiles (the decode that follows reuses it).
   # The two kinds take turns and each pair gives a ratio, so that load from other work hits
@@ -94,13 +102,20 @@ def _valid(value) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6
 
 
+# A lookup step accepts all of its drafts or none far more often than a heads' step: judged on
+# fewer steps than this, lookup on the demo model's validation-split code (which pays, 6 tokens
+# a step) was mostly stopped by its first unlucky step.
+LOOKUP_LEAST_PROBE = 4
+
+
 def probe_steps(break_even: float, max_new_tokens: int, *, budget: float = 0.05,
-                most: int = 8) -> int:
+                most: int = 8, least: int = 1) -> int:
   """Drafting steps before the first check, so that their worst case costs at most `budget`.
 
   A probe step whose drafts are all rejected emits one token at `break_even` one-token steps:
-  it loses break_even - 1. Up to `most` steps (acceptance is noisy over fewer), at least one.
+  it loses break_even - 1. Up to `most` steps (acceptance is noisy over fewer), at least
+  `least` (which then bounds the worst case instead of the budget).
   """
   if break_even <= 1:
     return most  # Drafting costs no more than a one-token step: probing loses nothing.
-  return int(max(1, min(most, budget * max_new_tokens // (break_even - 1))))
+  return int(max(least, min(most, budget * max_new_tokens // (break_even - 1))))

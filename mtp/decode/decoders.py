@@ -26,19 +26,25 @@ class Decoder:
       hardware (`mtp.decode.auto`); a model without heads decodes autoregressively.
     steps_per_chunk: loop steps per host round trip when streaming, by default.
     summary: one line for help texts.
+    lookup: prompt-lookup drafts added to the heads' tree by default when decoding greedily
+      (callers that take `lookup=None`: `mtp.generate`, `launch.generate`).
   """
   name: str
   drafts: bool
   steps_per_chunk: int
   summary: str
   adaptive: bool = False
+  lookup: int = 0
 
 
 _REGISTRY = (
-    Decoder('auto', drafts=True, adaptive=True, steps_per_chunk=4,
-            summary='speculative decoding that stops drafting, for the rest of the call, once '
-            'it stops paying: when the tokens accepted per step fall below the measured cost of '
-            'a drafting step on this hardware (exact, as speculative)'),
+    # Lookup drafts are verified only where their key promises acceptance (`driver`), so
+    # they cost little where the text does not repeat. 8: see `default_lookup`.
+    Decoder('auto', drafts=True, adaptive=True, steps_per_chunk=4, lookup=8,
+            summary='speculative decoding that adapts: greedy, it adds prompt-lookup drafts '
+            'where the text repeats; each kind of drafting step stops, for the rest of the '
+            'call, once its tokens per step fall below its measured cost on this hardware '
+            '(exact, as speculative)'),
     Decoder('speculative', drafts=True, steps_per_chunk=4,
             summary='the model\'s heads draft a tree of candidates, its trunk verifies them '
             '(exact: the output is distributed as autoregressive decoding\'s)'),
@@ -52,6 +58,14 @@ DEFAULT = 'auto'
 # of whether drafting pays has no meaning: it serves the decoders that are not adaptive.
 SERVED: tuple[str, ...] = tuple(d.name for d in _REGISTRY if not d.adaptive)
 SERVED_DEFAULT = 'speculative'
+
+
+def default_lookup(name: str, lookup: int | None, temperature: float, num_heads: int) -> int:
+  """`lookup`, or for None the decoder's default: its `lookup` when greedy with heads, else 0
+  (lookup drafts are verified greedily only, and hang below a tree of the heads')."""
+  if lookup is not None:
+    return lookup
+  return get(name).lookup if temperature == 0 and num_heads > 0 else 0
 
 
 def get(name: str) -> Decoder:

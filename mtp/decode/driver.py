@@ -71,10 +71,20 @@ class LoopState:
     pad_id: [] int32 filler after a row's end.
     context: [B, C] every row's tokens by position, prompt included, for lookup drafts
       (position lengths holds last_token; later columns are stale); [B, 0] without lookup.
-    drafting: [] bool, False once drafting stopped paying (`DecodeRequest.fallback`): the
-      loop then decodes one token per pass.
-    break_even: [] float32 tokens per step below which drafting stops (`fallback` only).
-    probe_steps: [] int32 steps drafted before the first such check.
+    lookup_key: [B] int32 length of the key the pending lookup drafts matched (0: none).
+    The next six serve requests that fall back (`DecodeRequest.fallback`, the 'auto'
+    decoder). Its drafting steps are of two kinds: 0 verifies the heads' block (the tree
+    without its lookup chain), 1 the whole block, lookup chain included (only for a tree with
+    one, and only when some row's lookup key is at least `lookup_min_key` long). Each kind is
+    accounted apart and stops, for the rest of the call, once it stops paying; where neither
+    runs, the loop decodes one token per pass.
+    pays: [2] bool whether each kind still pays.
+    costs: [2] float32 one step of each kind, in one-token steps: its break-even in tokens
+      per step (0: never stops).
+    block_tokens: [2] int32 tokens emitted by each kind's steps, all rows.
+    block_steps: [2] int32 row-steps of each kind.
+    probe_steps: [2] int32 steps of each kind (per row) before it is first checked.
+    lookup_min_key: [] int32 the whole block's lookup key threshold.
     draft_vocab: [N] int32 ids the heads draft over (`DecodeRequest.draft_vocab_size`; traced:
       a new vocabulary of the same size does not recompile); [0] without a draft vocabulary.
   """
@@ -91,9 +101,13 @@ class LoopState:
   eos_id: Array
   pad_id: Array
   context: Array
-  drafting: Array
-  break_even: Array
+  lookup_key: Array
+  pays: Array
+  costs: Array
+  block_tokens: Array
+  block_steps: Array
   probe_steps: Array
+  lookup_min_key: Array
   draft_vocab: Array
 
 
@@ -103,27 +117,32 @@ class LoopState:
 
 
 def _drafts(tree: trees_lib.Tree, logits: Array | None, context: Array,
-            lengths: Array, vocab=None) -> Array:
+            lengths: Array, vocab=None) -> tuple[Array, Array]:
   """Head logits [depth, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
 
   N - 1 drafts in tree order, root excluded; `context` and `lengths` (the position of the newest
   token) feed the lookup chain, if the tree has one. A root-only tree drafts nothing. With a
   draft vocabulary `vocab` (`MTPModel.draft_vocab`, M ids), the logits are [depth, B, M] over
   its ids.
+
+  Returns:
+    (drafts [B, N - 1], lookup key length [B]: 0 without a lookup chain).
   """
+  b = context.shape[0]
+  no_key = jnp.zeros((b,), jnp.int32)
   if tree.num_nodes == 1:
-    return jnp.zeros((context.shape[0], 0), jnp.int32)
+    return jnp.zeros((b, 0), jnp.int32), no_key
   if tree.is_chain:
     best = draft_vocab_lib.to_full_ids(jnp.argmax(logits, axis=-1), _ids(vocab))
-    return best.T.astype(jnp.int32)
+    return best.T.astype(jnp.int32), no_key
   top = jax.lax.top_k(logits, max(tree.topk_per_depth))[1]  # [depth, B, R]
   top = draft_vocab_lib.to_full_ids(top, _ids(vocab))
-  copies = None
+  copies, key = None, no_key
   if tree.lookup_depth:
-    copies = lookup_lib.propose(context, lengths, tree.lookup_depth)
+    copies, key = lookup_lib.propose_with_key(context, lengths, tree.lookup_depth)
   nodes = trees_lib.draft_tokens_for_tree(tree, jnp.transpose(top, (1, 0, 2)),
                                           lookup_tokens=copies)
-  return nodes[:, 1:].astype(jnp.int32)
+  return nodes[:, 1:].astype(jnp.int32), key
 
 
 def _compact(cache: kv_cache_lib.KVCache, lengths: Array, path: Array,
@@ -187,12 +206,13 @@ def _ids(vocab) -> Array | None:
 @functools.partial(jax.jit, static_argnames=('structure', 'request'))
 def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id: Array,
            pad_id: Array, active: Array, request: DecodeRequest,
-           break_even: Array | float = 0.0, probe_steps: Array | int = 8,
-           draft_vocab: Array | None = None) -> LoopState:
+           costs: Array | float = 0.0, probe_steps: Array | int = 8,
+           lookup_min_key: Array | int = 0, draft_vocab: Array | None = None) -> LoopState:
   """Prefills [B, P] right-padded prompts: each row's first token and first drafts.
 
   active: [B] rows to prefill; the others (fillers) are marked done (row-mapped requests skip
   their work).
+  costs, probe_steps, lookup_min_key: `LoopState`'s (requests that fall back).
   draft_vocab: [M] int32 ids (`request.draft_vocab_size` = M > 0), else None.
   """
   if draft_vocab is None:
@@ -224,28 +244,31 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
       buffer, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
       jnp.ones((b,), jnp.int32), eos_id=eos_id, pad_id=pad_id,
       max_new_tokens=request.max_new_tokens)
+  drafts, lookup_key = _drafts(tree, head_logits, context, lengths, vocab)
   return LoopState(tokens=buffer, num_generated=num_generated, done=done | ~active,
-                   last_token=first,
-                   drafts=_drafts(tree, head_logits, context, lengths, vocab),
-                   lengths=lengths,
+                   last_token=first, drafts=drafts, lengths=lengths,
                    num_steps=jnp.zeros((b,), jnp.int32),
                    histogram=jnp.zeros((b, request.depth + 2), jnp.int32), cache=cache,
                    rng=rng, eos_id=eos_id, pad_id=pad_id, context=context,
-                   drafting=jnp.asarray(request.drafts),
-                   break_even=jnp.asarray(break_even, jnp.float32),
-                   probe_steps=jnp.asarray(probe_steps, jnp.int32),
+                   lookup_key=lookup_key,
+                   pays=jnp.full((2,), request.drafts),
+                   costs=jnp.broadcast_to(jnp.asarray(costs, jnp.float32), (2,)),
+                   block_tokens=jnp.zeros((2,), jnp.int32),
+                   block_steps=jnp.zeros((2,), jnp.int32),
+                   probe_steps=jnp.broadcast_to(jnp.asarray(probe_steps, jnp.int32), (2,)),
+                   lookup_min_key=jnp.asarray(lookup_min_key, jnp.int32),
                    draft_vocab=draft_vocab)
 
 
-def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Array):
-  """One verification pass and acceptance.
+def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Array,
+            tree: trees_lib.Tree):
+  """One verification pass over `tree` (the request's, or its heads' part) and acceptance.
 
   Returns:
     nodes: [B, N] the block's tokens; out: the step's StepOutput over the block; cache: with
     the block written; path: [B, depth + 1] accepted node indices root first, padded with the last
     accepted node; num_accepted: [B] accepted drafts; next_token: [B] the trunk's own token.
   """
-  tree = request.tree
   nodes = jnp.concatenate([s.last_token[:, None], drafts], axis=1)  # [B, N]
   positions = s.lengths[:, None] + jnp.asarray(tree.depth)[None, :]
   mask = None if tree.is_chain else jnp.asarray(tree.attention_mask)
@@ -282,8 +305,8 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
   """Runs draft-verify-accept steps until every row is done or `max_steps` steps were taken."""
   base = state_lib.merge(structure, leaves)
   tree, depth = request.tree, request.depth
+  heads_tree = tree.without_lookup()
   num_verified_layers = base.num_verified_cache_layers
-  columns = jnp.arange(depth + 1)[None, :]
   # Gathered once per call, outside the steps (XLA does not hoist it out of a cond branch).
   vocab = _vocab(base, request, state.draft_vocab)
 
@@ -291,23 +314,28 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     i, s = carry
     return (i < max_steps) & ~jnp.all(s.done)
 
-  def draft_step(s: LoopState) -> LoopState:
+  def draft_step(s: LoopState, block: trees_lib.Tree = tree, kind: int = 1) -> LoopState:
+    """Verifies `block` (the request's tree, or its heads' part: its first nodes) and drafts
+    the request's whole tree for the next step. `kind` is the `LoopState.pays` entry."""
     # Greedy decoding draws nothing: skip the split (a small loop of its own on CPU).
     rng, key = (s.rng, s.rng) if request.greedy else tuple(jax.random.split(s.rng))
     model = _model(base, request, ~s.done)
     drafts = s.drafts
     if request.draft_hook is not None:
       drafts = request.draft_hook(drafts, s.num_generated, hook_data).astype(jnp.int32)
-    nodes, out, cache, path, num_accepted, next_token = _verify(model, s, drafts, request, key)
+    drafts = drafts[:, :block.num_nodes - 1]
+    nodes, out, cache, path, num_accepted, next_token = _verify(model, s, drafts, request, key,
+                                                                block)
     path_tokens = jnp.take_along_axis(nodes, path, axis=1)  # [B, depth + 1], root first.
     # Emitted in order: the accepted drafts, then the trunk's own token.
     shifted = jnp.concatenate([path_tokens[:, 1:], next_token[:, None]], axis=1)
+    columns = jnp.arange(block.max_depth + 1)[None, :]
     emitted = jnp.where(columns < num_accepted[:, None], shifted, next_token[:, None])
     buffer, num_generated, done, kept = state_lib.append_tokens(
         s.tokens, s.num_generated, s.done, emitted, num_accepted + 1, eos_id=s.eos_id,
         pad_id=s.pad_id, max_new_tokens=request.max_new_tokens)
 
-    if not tree.is_chain:  # A chain's accepted prefix already sits at lengths .. lengths + n.
+    if not block.is_chain:  # A chain's accepted prefix already sits at lengths .. lengths + n.
       cache = _compact(cache, s.lengths, path, num_verified_layers)
     # The accepted path is contiguous in the cache now (slots lengths ..): draft from it.
     features = jax.tree.map(lambda f: jnp.take_along_axis(
@@ -320,23 +348,17 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     context = s.context
     if tree.lookup_depth:  # Emitted tokens sit at positions s.lengths + 1 .. lengths.
       context = kv_cache_lib.write_rows(context, emitted, s.lengths + 1)
-    new_drafts = _drafts(tree, head_logits, context, lengths, vocab)
+    new_drafts, lookup_key = _drafts(tree, head_logits, context, lengths, vocab)
 
     active = ~s.done
-    histogram = s.histogram + (
-        jax.nn.one_hot(kept, depth + 2, dtype=jnp.int32) * active[:, None])
-    s = s.replace(
-        tokens=buffer, num_generated=num_generated, done=done,
-        last_token=jnp.where(active, next_token, s.last_token),
-        drafts=jnp.where(active[:, None], new_drafts, s.drafts),
-        lengths=jnp.where(active, lengths, s.lengths),
-        num_steps=s.num_steps + active, histogram=histogram, cache=cache, rng=rng,
-        context=jnp.where(active[:, None], context, s.context))
-    return s
+    return _advance(s, active, buffer, num_generated, done, kept, next_token, lengths,
+                    cache, rng, kind=kind, drafts=new_drafts, context=context,
+                    lookup_key=lookup_key)
 
   def one_token_step(s: LoopState) -> LoopState:
-    """Autoregressive decoding inside a drafting loop, once drafting stopped paying: the
-    heads neither run nor draft again (their cache layers and `drafts` go stale, unread)."""
+    """Autoregressive decoding inside a drafting loop, where drafting stopped paying: the
+    heads neither run nor draft (their cache layers and drafts go stale: a later drafting step
+    is exact all the same, its stale drafts only fail). Lookup drafts stay current."""
     rng, key = (s.rng, s.rng) if request.greedy else tuple(jax.random.split(s.rng))
     model = _model(base, request, ~s.done)
     out, cache = model.step(s.last_token[:, None], s.lengths[:, None], s.cache, s.lengths,
@@ -346,31 +368,63 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
         s.tokens, s.num_generated, s.done, next_token[:, None], jnp.ones_like(s.lengths),
         eos_id=s.eos_id, pad_id=s.pad_id, max_new_tokens=request.max_new_tokens)
     active = ~s.done
-    return s.replace(
-        tokens=buffer, num_generated=num_generated, done=done,
-        last_token=jnp.where(active, next_token, s.last_token),
-        lengths=s.lengths + active, num_steps=s.num_steps + active,
-        histogram=s.histogram + jax.nn.one_hot(kept, depth + 2, dtype=jnp.int32)
-        * active[:, None], cache=cache, rng=rng)
+    lengths = s.lengths + 1
+    drafts, context, lookup_key = s.drafts, s.context, s.lookup_key
+    if tree.lookup_depth:
+      context = kv_cache_lib.write_rows(context, next_token[:, None], lengths)
+      copies, lookup_key = lookup_lib.propose_with_key(context, lengths, tree.lookup_depth)
+      drafts = drafts.at[:, -tree.lookup_depth:].set(copies)
+    return _advance(s, active, buffer, num_generated, done, kept, next_token, lengths, cache,
+                    rng, kind=None, drafts=drafts, context=context, lookup_key=lookup_key)
 
   def still_pays(s: LoopState) -> Array:
-    """Whether drafting keeps up with its break-even: the batch's tokens per step so far."""
-    emitted = jnp.sum(s.histogram * jnp.arange(depth + 2, dtype=jnp.int32))
-    steps = jnp.sum(s.num_steps)
-    early = jnp.max(s.num_steps) < s.probe_steps
-    return early | (emitted.astype(jnp.float32) >= s.break_even * steps.astype(jnp.float32))
+    """[2] whether each kind of drafting step keeps up with its break-even, in tokens per
+    row-step so far: true until its rows took `probe_steps` steps of it each."""
+    early = s.block_steps < s.probe_steps * s.done.shape[0]
+    return s.pays & (early | (s.block_tokens.astype(jnp.float32)
+                              >= s.costs * s.block_steps.astype(jnp.float32)))
 
   def body(carry):
     i, s = carry
-    if request.fallback:
-      s = jax.lax.cond(s.drafting, draft_step, one_token_step, s)
-      s = s.replace(drafting=s.drafting & still_pays(s))
-    else:
+    if not request.fallback:
       s = draft_step(s)
+    elif not tree.lookup_depth:
+      s = jax.lax.cond(s.pays[0], functools.partial(draft_step, kind=0), one_token_step, s)
+    else:
+      # The whole block only where its lookup drafts look likely to pass, else the heads'.
+      promising = jnp.any(~s.done & (s.lookup_key >= s.lookup_min_key))
+      branch = jnp.where(s.pays[1] & promising, 2, jnp.where(s.pays[0], 1, 0))
+      s = jax.lax.switch(branch, (
+          one_token_step, functools.partial(draft_step, block=heads_tree, kind=0),
+          draft_step), s)
+    if request.fallback:
+      s = s.replace(pays=still_pays(s))
     return i + 1, s
 
   _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
   return state
+
+
+def _advance(s: LoopState, active: Array, buffer: Array, num_generated: Array, done: Array,
+             kept: Array, next_token: Array, lengths: Array, cache, rng: Array, *,
+             kind: int | None, drafts: Array, context: Array, lookup_key: Array) -> LoopState:
+  """The state after one step of kind `kind` (None: a one-token step): active rows move on,
+  finished ones keep their state."""
+  histogram = s.histogram + (
+      jax.nn.one_hot(kept, s.histogram.shape[1], dtype=jnp.int32) * active[:, None])
+  block_tokens, block_steps = s.block_tokens, s.block_steps
+  if kind is not None:
+    block_tokens = block_tokens.at[kind].add(jnp.sum(kept * active))
+    block_steps = block_steps.at[kind].add(jnp.sum(active))
+  return s.replace(
+      tokens=buffer, num_generated=num_generated, done=done,
+      last_token=jnp.where(active, next_token, s.last_token),
+      drafts=jnp.where(active[:, None], drafts, s.drafts),
+      lengths=jnp.where(active, lengths, s.lengths),
+      num_steps=s.num_steps + active, histogram=histogram, cache=cache, rng=rng,
+      context=jnp.where(active[:, None], context, s.context),
+      lookup_key=jnp.where(active, lookup_key, s.lookup_key),
+      block_tokens=block_tokens, block_steps=block_steps)
 
 
 def _model(model, request: DecodeRequest, active: Array):
@@ -394,7 +448,8 @@ def result(state: LoopState, max_new_tokens: int) -> DecodeResult:
 
 def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *, rng=None,
            eos_id: int | None = None, pad_id: int = 0, hook_data=None,
-           break_even: float = 0.0, probe_steps: int = 8, draft_vocab=None) -> DecodeResult:
+           break_even: float | tuple[float, float] = 0.0,
+           probe_steps: int | tuple[int, int] = 8, draft_vocab=None) -> DecodeResult:
   """Decodes checked prompts (`request.check_prompts`) with a checked request.
 
   Args:
@@ -406,8 +461,11 @@ def decode(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest,
     pad_id: filler after a row's end in `tokens`.
     hook_data: pytree of arrays passed to `request.draft_hook` (traced: no recompilation).
     break_even: 'auto' requests (`request.fallback`): drafting's break-even in tokens per step
-      (`auto.break_even` measures it; traced: no recompilation); 0: never stop drafting.
-    probe_steps: 'auto' requests: steps drafted before the first check (`auto.probe_steps`).
+      (`auto.break_even` measures it; traced: no recompilation); 0: never stop drafting. A
+      pair gives the heads' block's and the whole block's apart (a tree with a lookup chain
+      has both kinds of drafting step, `LoopState`).
+    probe_steps: 'auto' requests: steps drafted before the first check (`auto.probe_steps`);
+      a pair: (heads' block, whole block).
     draft_vocab: [M] distinct token ids the heads draft over, M = `request.draft_vocab_size`
       (`draft_vocab.top_ids`; traced: no recompilation); None when the request has none.
   """
@@ -423,7 +481,8 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
                   steps_per_chunk: int, rng=None, eos_id: int | None = None, pad_id: int = 0,
                   hook_data=None, active=None,
                   stop: Callable[[], np.ndarray | None] | None = None,
-                  break_even: float = 0.0, probe_steps: int = 8,
+                  break_even: float | tuple[float, float] = 0.0,
+                  probe_steps: int | tuple[int, int] = 8,
                   draft_vocab=None) -> Iterator[DecodeResult]:
   """Like `decode`, but yields the partial result (numpy) after the prefill and each chunk.
 
@@ -450,7 +509,7 @@ def decode_chunks(model, prompts: Array, prompt_lengths: Array, request: DecodeR
 
 
 def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, pad_id,
-           active=None, break_even: float = 0.0, probe_steps: int = 8, draft_vocab=None):
+           active=None, break_even=0.0, probe_steps=8, draft_vocab=None):
   prepared = state_lib.prepare(model)
   break_even, probe_steps = request_lib.check_fallback(break_even, probe_steps)
   draft_vocab = _checked_draft_vocab(prepared, request, draft_vocab)
@@ -461,8 +520,10 @@ def _begin(model, prompts, prompt_lengths, request: DecodeRequest, rng, eos_id, 
       request.mesh)
   state = _start(prepared.structure, prepared.leaves, prompts, prompt_lengths,
                  state_lib.as_key(rng), jnp.int32(-1 if eos_id is None else eos_id),
-                 jnp.int32(pad_id), active, request, jnp.float32(break_even),
-                 jnp.int32(probe_steps), draft_vocab=draft_vocab)
+                 jnp.int32(pad_id), active, request,
+                 jnp.asarray(break_even, jnp.float32), jnp.asarray(probe_steps, jnp.int32),
+                 jnp.int32(request_lib.LOOKUP_MIN_KEY),
+                 draft_vocab=draft_vocab)
   return prepared, state
 
 
@@ -480,19 +541,24 @@ def _checked_draft_vocab(model, request: DecodeRequest, ids) -> Array | None:
 
 
 def seconds_per_step(model, prompts: Array, prompt_lengths: Array, request: DecodeRequest, *,
-                     drafting: bool, steps: int = 16, repeats: int = 3,
-                     warm_up: bool = True, draft_vocab=None) -> float:
+                     drafting: bool, heads_only: bool = False, steps: int = 16,
+                     repeats: int = 3, warm_up: bool = True, draft_vocab=None) -> float:
   """Wall seconds per loop step of `request`'s compiled decoder on these prompts.
 
   drafting: time drafting steps (break-even 0: drafting never stops) or, with a request that
     can fall back (`request.fallback`), one-token steps: the same compiled loop, so that the
     two are compared on equal terms and measuring compiles nothing that decoding will not use.
+  heads_only: a request that falls back and has a lookup chain: time drafting steps of the
+    heads' block alone; else drafting steps verify the whole block, lookup chain included.
   The fastest of `repeats` runs counts, after one untimed run that compiles (`warm_up`); rows
   never stop at EOS. draft_vocab: as in `decode`; None with a request that has one: its size's
   first ids (which ids does not change the cost of a step).
   """
   if request.draft_vocab_size and draft_vocab is None:
     draft_vocab = np.arange(request.draft_vocab_size, dtype=np.int32)
+  if heads_only and not (request.fallback and request.tree.lookup_depth):
+    raise ValueError('heads_only times the heads\' block of a request that falls back and has '
+                     'a lookup chain')
   if not drafting and not request.fallback:
     raise ValueError('one-token steps of a request without fallback: time an autoregressive '
                      'request instead')
@@ -501,8 +567,8 @@ def seconds_per_step(model, prompts: Array, prompt_lengths: Array, request: Deco
   for attempt in range(repeats + 1 if warm_up else repeats):
     _, state = _begin(prepared, prompts, prompt_lengths, request, 0, None, 0,
                       draft_vocab=draft_vocab)
-    if not drafting:
-      state = state.replace(drafting=jnp.asarray(False))
+    state = state.replace(pays=jnp.asarray([drafting, drafting and not heads_only]),
+                          lookup_min_key=jnp.int32(0))
     jax.block_until_ready(state)
     start = time.perf_counter()
     state = jax.block_until_ready(_run(prepared.structure, prepared.leaves, state,
@@ -568,15 +634,20 @@ def _splice(state: LoopState, fresh: LoopState, rows: Array) -> LoopState:
     if old.ndim == 0:
       return old
     return jnp.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
-  # The draft vocabulary [M] is not per row: the same in both.
-  spliced = jax.tree.map(pick, state.replace(draft_vocab=None), fresh.replace(draft_vocab=None))
-  return spliced.replace(draft_vocab=state.draft_vocab)
+  # Fields that are not per row (the draft vocabulary, the fallback's accounting) stay.
+  shared = {name: None for name in _BATCH_FIELDS}
+  spliced = jax.tree.map(pick, state.replace(**shared), fresh.replace(**shared))
+  return spliced.replace(**{name: getattr(state, name) for name in _BATCH_FIELDS})
+
+
+_BATCH_FIELDS = ('draft_vocab', 'pays', 'costs', 'block_tokens', 'block_steps', 'probe_steps')
 
 
 def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
              decoder: str = 'speculative', eos_id: int | None = None, pad_id: int = 0,
-             rng=None, hook_data=None, break_even: float = 0.0, probe_steps: int = 8,
-             draft_vocab=None, **options) -> DecodeResult:
+             rng=None, hook_data=None, break_even: float | tuple[float, float] = 0.0,
+             probe_steps: int | tuple[int, int] = 8, draft_vocab=None,
+             **options) -> DecodeResult:
   """Checks the request, then decodes: the one entry point of every decoder.
 
   Greedy (temperature 0) output of every decoder equals greedy autoregressive output token
@@ -611,7 +682,8 @@ def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
 def generate_chunks(model, prompts, prompt_lengths=None, *, max_new_tokens: int,
                     decoder: str = 'speculative', steps_per_chunk: int | None = None,
                     eos_id: int | None = None, pad_id: int = 0, rng=None, hook_data=None,
-                    break_even: float = 0.0, probe_steps: int = 8, draft_vocab=None,
+                    break_even: float | tuple[float, float] = 0.0,
+                    probe_steps: int | tuple[int, int] = 8, draft_vocab=None,
                     **options) -> Iterator[DecodeResult]:
   """`generate`, yielding the partial result after the prefill and each chunk of steps.
 

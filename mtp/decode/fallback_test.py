@@ -118,7 +118,7 @@ def test_seconds_per_step_times_both_kinds_of_step(model, prompts):
     driver.seconds_per_step(model, prompts, PROMPT_LENGTHS, plain, drafting=False)
 
 
-@pytest.mark.parametrize('break_even', [-1.0, float('nan'), float('inf'), True])
+@pytest.mark.parametrize('break_even', [-1.0, float('nan'), float('inf'), True, (2.0, -1.0)])
 def test_bad_break_even_is_named(model, prompts, break_even):
   with pytest.raises(ValueError, match='break_even must be'):
     driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=4, decoder='auto',
@@ -129,3 +129,85 @@ def test_bad_probe_is_named(model, prompts):
   with pytest.raises(ValueError, match='probe_steps'):
     driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=4, decoder='auto',
                     break_even=2.0, probe_steps=0)
+
+
+# Lookup on demand: an 'auto' tree with a lookup chain verifies the whole block only where some
+# row's lookup drafts matched a long enough key, else the heads' block; each kind pays its way.
+
+REPEATING = np.array([[5, 6, 7, 5, 6, 7, 5], [9, 9, 9, 0, 0, 0, 0], [3, 4, 8, 1, 2, 0, 0]],
+                     np.int32)
+
+
+def _final_state(model, request, *, min_key, break_evens=(0.0, 0.0), probe_steps=2):
+  """The loop state after decoding REPEATING with `request` (internals: which kinds ran)."""
+  prepared, state = driver._begin(model, REPEATING, PROMPT_LENGTHS, request, 0, None, 0,
+                                  break_even=break_evens,
+                                  probe_steps=probe_steps)
+  state = state.replace(lookup_min_key=jnp.int32(min_key))
+  return driver._run(prepared.structure, prepared.leaves, state,
+                     jnp.int32(request.max_new_tokens), None, request)
+
+
+@pytest.fixture(scope='module')
+def lookup_request(model):
+  return request_lib.make_request(model.cfg, REPEATING.shape[1], max_new_tokens=MAX_NEW,
+                                  decoder='auto', tree=2, lookup=4)
+
+
+@pytest.fixture(scope='module')
+def repeating_reference(model):
+  return driver.generate(model, REPEATING, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                         decoder='autoregressive')
+
+
+@pytest.mark.parametrize('min_key', [0, 2, 99])
+def test_lookup_on_demand_is_exact(model, lookup_request, repeating_reference, min_key):
+  state = _final_state(model, lookup_request, min_key=min_key)
+  np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
+  steps = np.asarray(state.block_steps)
+  if min_key == 0:    # Every key qualifies: the whole block every step.
+    assert steps[0] == 0 and steps[1] > 0
+  elif min_key == 99:  # None does: the heads' block every step.
+    assert steps[0] > 0 and steps[1] == 0
+  assert steps.sum() == np.asarray(state.num_steps).sum()
+
+
+def test_each_kind_of_step_stops_paying_on_its_own(model, lookup_request, repeating_reference):
+  # The heads' block can never make 50 tokens a step: it stops after its probe; the whole
+  # block (break-even 0) never stops, and runs wherever a lookup key qualifies.
+  state = _final_state(model, lookup_request, min_key=0, break_evens=(50.0, 0.0))
+  np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
+  assert np.asarray(state.pays).tolist() == [True, True]  # min_key 0: heads never ran.
+  state = _final_state(model, lookup_request, min_key=99, break_evens=(50.0, 0.0))
+  np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
+  assert np.asarray(state.pays).tolist() == [False, True]
+  # The probe: 2 heads' steps for each of the 3 rows, then one token a step.
+  assert np.asarray(state.block_steps).tolist() == [2 * 3, 0]
+  state = _final_state(model, lookup_request, min_key=0, break_evens=(0.0, 50.0))
+  np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
+  assert np.asarray(state.pays).tolist() == [True, False]
+  assert np.asarray(state.block_steps)[1] == 2 * 3
+
+
+def test_lookup_stays_current_through_one_token_steps(model, lookup_request,
+                                                      repeating_reference):
+  # Heads stop after the probe; one-token steps follow; the whole block comes back wherever
+  # the lookup drafts (kept current by the one-token steps) qualify.
+  state = _final_state(model, lookup_request, min_key=2, break_evens=(50.0, 0.0))
+  np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
+  assert np.asarray(state.pays).tolist() == [False, True]
+  assert np.asarray(state.block_steps)[1] > 0
+  # The last row repeats one token: its lookup drafts pass, many tokens a step.
+  assert np.asarray(repeating_reference.tokens)[2].tolist() == [44] * MAX_NEW
+  assert np.asarray(state.num_steps)[2] <= MAX_NEW // 3
+
+
+def test_seconds_per_step_times_the_heads_block_alone(model, lookup_request):
+  seconds = driver.seconds_per_step(model, REPEATING, PROMPT_LENGTHS, lookup_request,
+                                    drafting=True, heads_only=True, steps=4, repeats=1)
+  assert 0 < seconds < 10
+  plain = request_lib.make_request(model.cfg, REPEATING.shape[1], max_new_tokens=MAX_NEW,
+                                   decoder='auto', tree=2)
+  with pytest.raises(ValueError, match='heads_only'):
+    driver.seconds_per_step(model, REPEATING, PROMPT_LENGTHS, plain, drafting=True,
+                            heads_only=True)

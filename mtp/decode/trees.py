@@ -88,6 +88,13 @@ class Tree:
     """The number of heads the tree needs (the depth of its deepest head-drafted node)."""
     return max((len(p) for p in self.choices), default=0)
 
+  def without_lookup(self) -> 'Tree':
+    """The heads' part of the tree: nodes 0 .. num_head_nodes - 1, the same nodes in order."""
+    if not self.lookup_depth:
+      return self
+    return _assemble(self.choices, self.parent[:self.num_head_nodes],
+                     self.rank[:self.num_head_nodes])
+
   @property
   def is_chain(self) -> bool:
     return not self.lookup_depth and all(p == (0,) * len(p) for p in self.choices)

@@ -226,3 +226,13 @@ def test_a_lookup_chain_hangs_below_the_root_after_the_head_nodes():
     trees.with_lookup(tree, 1)
   with pytest.raises(ValueError, match='at least one node'):
     trees.with_lookup(base, 0)
+
+
+def test_without_lookup_is_the_heads_part_of_the_tree():
+  base = trees.tree_from_choices([[0], [1], [0, 0]])
+  whole = trees.with_lookup(base, 3)
+  heads = whole.without_lookup()
+  assert heads == base and heads.num_nodes == base.num_nodes
+  np.testing.assert_array_equal(heads.attention_mask, whole.attention_mask[:4, :4])
+  assert trees.with_lookup(trees.chain_tree(2), 2).without_lookup().is_chain
+  assert base.without_lookup() is base
