@@ -53,7 +53,8 @@ def test_prompt_file_both_decoders_same_greedy_output(workdir, tmp_path):
 def test_stream_prints_the_completion(workdir, tmp_path, capsys):
   out = tmp_path / 'out.jsonl'
   _run([f'--workdir={workdir}', '--prompt=def f(x):', '--max_new_tokens=12', '--stream',
-        '--steps_per_chunk=1', '--tree=[[0], [1], [0, 0]]', f'--output={out}'])
+        '--steps_per_chunk=1', '--tree=[[0], [1], [0, 0]]', '--draft_vocab=32',
+        f'--output={out}'])
   [record] = _read(out)
   printed = capsys.readouterr().out
   assert printed == f'=== prompt 0 ===\ndef f(x):{record["completion"]}\n'
@@ -114,6 +115,10 @@ def test_non_utf8_prompt_file_names_the_line(tmp_path):
     (['--workdir={workdir}', '--prompt=x', '--lookup=65', '--decoder=autoregressive'],
      r'launch.generate: lookup \(--lookup\) must be at most 64'),
     (['--workdir={tmp}', '--prompt=x'], 'launch.generate: .*config.json does not exist'),
+    (['--workdir={workdir}', '--prompt=x', '--draft_vocab=100000'],
+     r'launch.generate: draft_vocab \(--draft_vocab\) must be an integer in \[0, 264\]'),
+    (['--workdir={workdir}', '--prompt=x', '--draft_vocab=8', '--decoder=autoregressive'],
+     r"launch.generate: draft_vocab \(--draft_vocab\) applies to decoders whose heads draft"),
 ])
 @flagsaver.flagsaver
 def test_errors_are_one_line_and_exit_non_zero(workdir, tmp_path, capsys, monkeypatch, argv,
