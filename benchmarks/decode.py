@@ -10,7 +10,8 @@ packages the model never saw, cut at a line boundary):
   * the heads' conditional top-k accuracies, measured on the trunk's greedy continuations of
     prompts from the training corpus's validation files (other code than the test prompts);
   * for batch sizes 1 and 8 and each decoder (autoregressive; 'auto', the default, which
-    drafts a chain and stops drafting where it does not pay; speculative with a chain of all
+    drafts a chain plus lookup drafts where the text repeats, each kind of drafting step
+    stopping where it does not pay, and 'auto' without lookup; speculative with a chain of all
     heads, the static default tree, and a tree built from the accuracies with its size chosen
     from that batch size's cost curve): mean accepted tokens per loop step, tokens/s and the
     speedup over autoregressive decoding. Decoders take turns within each repeat, so machine
@@ -90,25 +91,28 @@ def measure_workdir(workdir: str) -> dict:
         f'{t}: {c:.2f}' for t, c in cost[b]['relative'].items()), flush=True)
 
   default_tree = trees.medusa_default_tree(num_heads)
-  decoders = {b: {'autoregressive': ('autoregressive', None),
-                  f'auto (chain of {num_heads})': ('auto', None),
-                  f'chain of {num_heads}': ('speculative', None),
-                  f'default tree ({default_tree.num_nodes})': ('speculative', default_tree)}
+  # name: (decoder, tree, lookup); lookup None: the decoder's default ('auto': 8 greedy).
+  decoders = {b: {'autoregressive': ('autoregressive', None, None),
+                  f'auto (chain of {num_heads} + lookup)': ('auto', None, None),
+                  f'auto heads only (chain of {num_heads})': ('auto', None, 0),
+                  f'chain of {num_heads}': ('speculative', None, None),
+                  f'default tree ({default_tree.num_nodes})': ('speculative', default_tree, None)}
               for b in batch_sizes}
   auto_trees = {}
   for b in batch_sizes:
     auto_trees[b] = cost_model.choose_tree(model, accuracies, cost=cost[b]['relative'])
-    decoders[b][f'accuracy tree ({auto_trees[b].num_nodes})'] = ('speculative', auto_trees[b])
+    decoders[b][f'accuracy tree ({auto_trees[b].num_nodes})'] = (
+        'speculative', auto_trees[b], None)
     if FLAGS.lookup:
       decoders[b][f'accuracy tree + lookup ({auto_trees[b].num_nodes} + {FLAGS.lookup})'] = (
-          'speculative', trees.with_lookup(auto_trees[b], FLAGS.lookup))
+          'speculative', trees.with_lookup(auto_trees[b], FLAGS.lookup), None)
 
   runs = {b: {name: [] for name in decoders[b]} for b in batch_sizes}
   for repeat in range(FLAGS.repeats):
     for b in batch_sizes:
-      for name, (decoder, tree) in decoders[b].items():
+      for name, (decoder, tree, lookup) in decoders[b].items():
         generations = mtp.generate(loaded, prompts, max_new_tokens=FLAGS.max_new_tokens,
-                                   decoder=decoder, tree=tree, batch_size=b)
+                                   decoder=decoder, tree=tree, lookup=lookup, batch_size=b)
         runs[b][name].append(generations)
         print(f'  repeat {repeat + 1}/{FLAGS.repeats} batch {b} {name}: '
               f'{_tokens_per_sec(generations, b):.1f} tokens/s', flush=True)
@@ -116,7 +120,7 @@ def measure_workdir(workdir: str) -> dict:
   rows = []
   for b in batch_sizes:
     reference = runs[b]['autoregressive']
-    for name, (decoder, tree) in decoders[b].items():
+    for name, (decoder, tree, lookup) in decoders[b].items():
       gens = runs[b][name]
       tps = [_tokens_per_sec(g, b) for g in gens]
       speedups = [_tokens_per_sec(g, b) / _tokens_per_sec(r, b) for g, r in zip(gens, reference)]
@@ -132,6 +136,8 @@ def measure_workdir(workdir: str) -> dict:
         row['tree_choices'] = [list(c) for c in tree.choices]
       if decoder != 'autoregressive':
         tree_used = tree or trees.chain_tree(num_heads)
+        if decoder == 'auto' and lookup is None:  # Its default lookup chain, on demand.
+          tree_used = trees.with_lookup(tree_used, 8)
         if (not tree_used.lookup_depth and tree_used.max_depth <= accuracies.shape[0]
             and max(tree_used.topk_per_depth) <= accuracies.shape[1]):
           row['predicted_accepted'] = 1 + trees.expected_accepted_length(tree_used, accuracies)
@@ -164,12 +170,12 @@ def print_table(result: dict) -> None:
   print(f'\n{result["workdir"]} ({result["num_heads"]} {result["head_type"]} heads, step '
         f'{result["step"]}), {result["num_prompts"]} {result["prompt_source"]} prompts, greedy, '
         f'{result["max_new_tokens"]} new tokens, median of {result["repeats"]}')
-  print(f'{"batch":>5}  {"decoder":<22} {"tok/step":>8} {"predicted":>9} {"T cost":>6} '
+  print(f'{"batch":>5}  {"decoder":<32} {"tok/step":>8} {"predicted":>9} {"T cost":>6} '
         f'{"tokens/s":>9} {"speedup":>7}  exact')
   for r in result['rows']:
     predicted = f'{r["predicted_accepted"]:.2f}' if 'predicted_accepted' in r else '-'
     cost = f'{r["verify_cost"]:.2f}' if 'verify_cost' in r else '-'
-    print(f'{r["batch_size"]:>5}  {r["decoder"]:<22} {r["mean_accepted"]:>8.2f} {predicted:>9} '
+    print(f'{r["batch_size"]:>5}  {r["decoder"]:<32} {r["mean_accepted"]:>8.2f} {predicted:>9} '
           f'{cost:>6} {r["tokens_per_sec"]:>9.1f} {r["speedup"]:>6.2f}x  '
           f'{"yes" if r["outputs_match"] else "NO (%d)" % r["mismatched_prompts"]}')
   if result['autoregressive_equal_across_batch_sizes'] is not None:
@@ -179,7 +185,7 @@ def print_table(result: dict) -> None:
 
 def print_summary(results: list[dict]) -> None:
   print('\nHead families side by side (best speculative decoder per batch size):')
-  print(f'{"workdir":<32} {"heads":<12} {"batch":>5} {"decoder":<22} {"tok/step":>8} '
+  print(f'{"workdir":<32} {"heads":<12} {"batch":>5} {"decoder":<32} {"tok/step":>8} '
         f'{"speedup":>7}')
   for result in results:
     for b in sorted({r['batch_size'] for r in result['rows']}):
@@ -187,7 +193,7 @@ def print_summary(results: list[dict]) -> None:
               r['decoder'] != 'autoregressive']
       best = max(spec, key=lambda r: r['speedup'])
       print(f'{result["workdir"][-32:]:<32} {result["num_heads"]} {result["head_type"]:<10} '
-            f'{b:>5} {best["decoder"]:<22} {best["mean_accepted"]:>8.2f} '
+            f'{b:>5} {best["decoder"]:<32} {best["mean_accepted"]:>8.2f} '
             f'{best["speedup"]:>6.2f}x')
 
 

@@ -108,7 +108,8 @@ def _valid(value) -> bool:
 LOOKUP_LEAST_PROBE = 4
 
 
-def probe_steps(break_even: float, max_new_tokens: int, *, budget: float = 0.05,
+def probe_steps(break_even: float, max_new_tokens: int, *,
+                budget: float = request_lib.FALLBACK_BUDGET,
                 most: int = 8, least: int = 1) -> int:
   """Drafting steps before the first check, so that their worst case costs at most `budget`.
 

@@ -76,9 +76,13 @@ class LoopState:
     decoder). Its drafting steps are of two kinds: 0 verifies the heads' block (the tree
     without its lookup chain), 1 the whole block, lookup chain included (only for a tree with
     one, and only when some row's lookup key is at least `lookup_min_key` long). Each kind is
-    accounted apart and stops, for the rest of the call, once it stops paying; where neither
-    runs, the loop decodes one token per pass.
+    accounted apart and stops once it stops paying; where neither runs, the loop decodes one
+    token per pass. A stopped kind is tried again, with a fresh account and probe, once
+    enough one-token steps have passed that a failed probe would lose at most
+    `request.FALLBACK_BUDGET` of them: acceptance that changes during a long generation is
+    followed, at a bounded cost.
     pays: [2] bool whether each kind still pays.
+    idle: [2] int32 loop steps since each kind stopped (0 while it pays).
     costs: [2] float32 one step of each kind, in one-token steps: its break-even in tokens
       per step (0: never stops).
     block_tokens: [2] int32 tokens emitted by each kind's steps, all rows.
@@ -103,6 +107,7 @@ class LoopState:
   context: Array
   lookup_key: Array
   pays: Array
+  idle: Array
   costs: Array
   block_tokens: Array
   block_steps: Array
@@ -252,6 +257,7 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
                    rng=rng, eos_id=eos_id, pad_id=pad_id, context=context,
                    lookup_key=lookup_key,
                    pays=jnp.full((2,), request.drafts),
+                   idle=jnp.zeros((2,), jnp.int32),
                    costs=jnp.broadcast_to(jnp.asarray(costs, jnp.float32), (2,)),
                    block_tokens=jnp.zeros((2,), jnp.int32),
                    block_steps=jnp.zeros((2,), jnp.int32),
@@ -377,12 +383,19 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     return _advance(s, active, buffer, num_generated, done, kept, next_token, lengths, cache,
                     rng, kind=None, drafts=drafts, context=context, lookup_key=lookup_key)
 
-  def still_pays(s: LoopState) -> Array:
-    """[2] whether each kind of drafting step keeps up with its break-even, in tokens per
-    row-step so far: true until its rows took `probe_steps` steps of it each."""
+  def judge(s: LoopState) -> LoopState:
+    """Whether each kind of drafting step keeps up with its break-even, in tokens per row-step
+    so far (true until its rows took `probe_steps` steps of it each), and the retry of kinds
+    that stopped (`LoopState`)."""
     early = s.block_steps < s.probe_steps * s.done.shape[0]
-    return s.pays & (early | (s.block_tokens.astype(jnp.float32)
+    pays = s.pays & (early | (s.block_tokens.astype(jnp.float32)
                               >= s.costs * s.block_steps.astype(jnp.float32)))
+    idle = jnp.where(pays, 0, s.idle + 1)
+    failed_probe = s.probe_steps.astype(jnp.float32) * jnp.maximum(s.costs - 1, 0)
+    retry = ~pays & (idle.astype(jnp.float32) * request_lib.FALLBACK_BUDGET >= failed_probe)
+    return s.replace(pays=pays | retry, idle=jnp.where(retry, 0, idle),
+                     block_tokens=jnp.where(retry, 0, s.block_tokens),
+                     block_steps=jnp.where(retry, 0, s.block_steps))
 
   def body(carry):
     i, s = carry
@@ -398,7 +411,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
           one_token_step, functools.partial(draft_step, block=heads_tree, kind=0),
           draft_step), s)
     if request.fallback:
-      s = s.replace(pays=still_pays(s))
+      s = judge(s)
     return i + 1, s
 
   _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
@@ -567,7 +580,9 @@ def seconds_per_step(model, prompts: Array, prompt_lengths: Array, request: Deco
   for attempt in range(repeats + 1 if warm_up else repeats):
     _, state = _begin(prepared, prompts, prompt_lengths, request, 0, None, 0,
                       draft_vocab=draft_vocab)
-    state = state.replace(pays=jnp.asarray([drafting, drafting and not heads_only]),
+    forced = jnp.asarray([drafting, drafting and not heads_only])
+    # Kinds forced off are never retried (a retry waits for idle to reach a positive count).
+    state = state.replace(pays=forced, idle=jnp.where(forced, 0, -2**30),
                           lookup_min_key=jnp.int32(0))
     jax.block_until_ready(state)
     start = time.perf_counter()
@@ -640,7 +655,8 @@ def _splice(state: LoopState, fresh: LoopState, rows: Array) -> LoopState:
   return spliced.replace(**{name: getattr(state, name) for name in _BATCH_FIELDS})
 
 
-_BATCH_FIELDS = ('draft_vocab', 'pays', 'costs', 'block_tokens', 'block_steps', 'probe_steps')
+_BATCH_FIELDS = ('draft_vocab', 'pays', 'idle', 'costs', 'block_tokens', 'block_steps',
+                 'probe_steps')
 
 
 def generate(model, prompts, prompt_lengths=None, *, max_new_tokens: int,

@@ -211,3 +211,20 @@ def test_seconds_per_step_times_the_heads_block_alone(model, lookup_request):
   with pytest.raises(ValueError, match='heads_only'):
     driver.seconds_per_step(model, REPEATING, PROMPT_LENGTHS, plain, drafting=True,
                             heads_only=True)
+
+
+def test_a_stopped_kind_is_tried_again_within_the_budget(model, prompts):
+  # Oracle drafts give DEPTH + 1 = 4 tokens a step, short of 4.2: drafting stops after its
+  # one-step probe. A failed probe would lose 1 x (4.2 - 1) = 3.2 one-token steps, 5% of 64:
+  # after 64 one-token steps it is tried again (and stops again).
+  max_new = 100
+  reference = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new,
+                              decoder='autoregressive')
+  data = jnp.asarray(np.pad(np.asarray(reference.tokens), ((0, 0), (0, DEPTH + 1))))
+  out = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new,
+                        decoder='auto', draft_hook=KnownDrafts(True), hook_data=data,
+                        break_even=4.2, probe_steps=1)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  hist = np.asarray(out.accepted_histogram)
+  np.testing.assert_array_equal(hist[:, DEPTH + 1], 2)  # The probe, and one retry.
+  np.testing.assert_array_equal(hist[:, 1], max_new - 1 - 2 * (DEPTH + 1))

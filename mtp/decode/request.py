@@ -33,6 +33,10 @@ MAX_LOOKUP = 64
 # 128 tokens): lookup drafts from keys of 0, 1, 2 and 3 tokens had 0.6, 1.4, 2.0 and 5.7 of
 # their 8 tokens accepted on average; 1.4 falls short of what the 8 extra nodes cost there.
 LOOKUP_MIN_KEY = 2
+# What the 'auto' decoder may lose to one-token decoding in the worst case, where every draft
+# fails: probes of drafting (`auto.probe_steps`) and retries of a kind of drafting step that
+# stopped paying (`driver.LoopState`) are sized to lose at most this fraction.
+FALLBACK_BUDGET = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
