@@ -1,8 +1,9 @@
 r"""Draft vocabularies (FR-Spec) side by side: what a smaller drafting projection saves and costs.
 
   python -m benchmarks.draft_vocab [--workdir=workdirs/code_small] [--sizes=256,512,1024,2048,0]
+  python -m benchmarks.draft_vocab --temperature=0.8 --output=results/draft_vocab_t08.json
 
-On a trained workdir, greedy, on held-out code prompts (the first lines of code of installed
+On a trained workdir, greedy (or sampled with --temperature), on held-out code prompts (the first lines of code of installed
 packages the model never saw, as `benchmarks.decode` builds them), for each batch size and each
 draft vocabulary size N (0: the whole vocabulary), a speculative chain of all heads:
   * tokens per loop step, and how many of the autoregressive output's tokens lie inside the
@@ -11,7 +12,7 @@ draft vocabulary size N (0: the whole vocabulary), a speculative chain of all he
     compiled loops (`driver.seconds_per_step`, best of --step_repeats);
   * tokens/s and the speedup over autoregressive decoding; decoders take turns within each
     repeat so that machine load hits them alike; medians over --repeats;
-  * whether every output equals the autoregressive one token for token.
+  * greedy: whether every output equals the autoregressive one token for token.
 The load average is printed before and after (the machine may be shared).
 
 Prints a table and writes results/draft_vocab.json.
@@ -38,6 +39,8 @@ flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as 
 flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
 flags.DEFINE_integer('repeats', 3, 'Timed generation repeats (medians).')
 flags.DEFINE_integer('step_repeats', 5, 'Timed runs per step cost (the fastest counts).')
+flags.DEFINE_float('temperature', 0.0, '0: greedy (outputs are compared with autoregressive '
+                   'decoding token for token); else sampled (same distribution, other draws).')
 flags.DEFINE_string('tree', 'chain', "Candidates: 'chain' (every head's top-1) or 'default'.")
 flags.DEFINE_string('output', 'results/draft_vocab.json', 'JSON results.')
 
@@ -62,7 +65,7 @@ def _step_costs(loaded, prompts, batch_size: int, sizes: list[int], tree) -> dic
       tokenizer.encode_batch(rows), tokenizer.pad_id,
       multiple=mtp.api._PROMPT_WIDTH_MULTIPLE)  # pylint: disable=protected-access
   prepared = state_lib.prepare(model)
-  common = dict(max_new_tokens=FLAGS.max_new_tokens,
+  common = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                 **mtp.api._emittable(tokenizer, model.cfg))  # pylint: disable=protected-access
 
   def seconds(request, ids=None):
@@ -117,7 +120,8 @@ def measure() -> dict:
       for name in names:
         decoder, t, n = settings[name]
         gens = mtp.generate(loaded, prompts, max_new_tokens=FLAGS.max_new_tokens,
-                            decoder=decoder, tree=t, batch_size=b, draft_vocab=n)
+                            decoder=decoder, tree=t, batch_size=b, draft_vocab=n,
+                            temperature=FLAGS.temperature, seed=repeat)
         runs[b][name].append(gens)
         print(f'  repeat {repeat + 1}/{FLAGS.repeats} batch {b} {name}: '
               f'{_tokens_per_sec(gens, b):.1f} tokens/s', flush=True)
@@ -138,13 +142,16 @@ def measure() -> dict:
       tps = [_tokens_per_sec(g, b) for g in gens]
       steps = sum(g.num_steps for g in gens[0])
       emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in gens[0])
-      mismatches = sum(g.tokens != r.tokens for g, r in zip(gens[0], reference[0]))
+      # Sampled outputs differ from autoregressive ones (other draws): nothing to compare.
+      mismatches = (sum(g.tokens != r.tokens for g, r in zip(gens[0], reference[0]))
+                    if not FLAGS.temperature else 0)
       row = dict(batch_size=b, decoder=name, draft_vocab=n or 0,
                  tokens_per_sec=statistics.median(tps),
                  speedup=statistics.median(
                      [_tokens_per_sec(g, b) / _tokens_per_sec(r, b)
                       for g, r in zip(gens, reference)]),
-                 mean_accepted=emitted / max(steps, 1), outputs_match=mismatches == 0,
+                 mean_accepted=emitted / max(steps, 1),
+                 outputs_match=mismatches == 0 if not FLAGS.temperature else None,
                  mismatched_prompts=mismatches, tokens_per_sec_runs=tps)
       if decoder != 'autoregressive':
         size = n or vocab_size
@@ -157,6 +164,7 @@ def measure() -> dict:
   print(f'load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}')
   return dict(workdir=FLAGS.workdir, step=loaded.step, head_type=model.cfg.mtp_head_type,
               num_heads=model.mtp_num_heads, vocab_size=vocab_size, tree=FLAGS.tree,
+              temperature=FLAGS.temperature,
               num_prompts=len(prompts), max_new_tokens=FLAGS.max_new_tokens,
               repeats=FLAGS.repeats, step_repeats=FLAGS.step_repeats,
               one_token_seconds={b: costs[b]['one_token_seconds'] for b in batch_sizes},
@@ -166,7 +174,8 @@ def measure() -> dict:
 
 def print_table(result: dict) -> None:
   print(f'\n{result["workdir"]} ({result["num_heads"]} {result["head_type"]} heads, '
-        f'V={result["vocab_size"]}), {result["num_prompts"]} held-out prompts, greedy, '
+        f'V={result["vocab_size"]}), {result["num_prompts"]} held-out prompts, '
+        f'{"temperature %g" % result["temperature"] if result["temperature"] else "greedy"}, '
         f'{result["tree"]}, {result["max_new_tokens"]} new tokens, median of '
         f'{result["repeats"]}')
   print(f'{"batch":>5}  {"decoder":<15} {"in vocab":>8} {"tok/step":>8} {"step cost":>9} '
@@ -177,9 +186,15 @@ def print_table(result: dict) -> None:
     cost = f'{r["step_cost"]:.2f}x' if 'step_cost' in r else '1.00x'
     print(f'{r["batch_size"]:>5}  {r["decoder"]:<15} {in_vocab:>8} {r["mean_accepted"]:>8.2f} '
           f'{cost:>9} {r["tokens_per_sec"]:>9.1f} {r["speedup"]:>6.2f}x  '
-          f'{"yes" if r["outputs_match"] else "NO (%d)" % r["mismatched_prompts"]}')
+          f'{_exact(r)}')
   print('in vocab: share of the autoregressive output\'s tokens inside the draft vocabulary; '
         'step cost: seconds per drafting step / one-token step')
+
+
+def _exact(row: dict) -> str:
+  if row['outputs_match'] is None:
+    return '-'
+  return 'yes' if row['outputs_match'] else f'NO ({row["mismatched_prompts"]})'
 
 
 def main(argv):

@@ -13,7 +13,8 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
     of its cache layers there) and its part of that pass (`verify`), which returns the
     per-token `features` pytree ([B, T, ...] arrays) the family drafts from;
   * its drafting step (`draft`): from the features along a run of accepted tokens, the draft
-    logits [depth, B, V] at the run's last accepted token;
+    logits [depth, B, V] at the run's last accepted token (or [depth, B, N] over a draft
+    vocabulary's N ids, FR-Spec, when given one: project through `DraftProjection`);
   * an optional feature-regression loss beside the token loss (`feature_loss_weight`);
   * its serving format (`hf_export`, optional): what `mtp.export.hf` writes for it beside the
     Hugging Face Llama directory of the trunk (`HFExport`); None if it has none. Its inverse,
