@@ -6,7 +6,8 @@ Trains configs/code_small.py (or resumes/reuses the workdir), prints the learnin
 next-token and per-head accuracy on held-out code (installed packages outside the standard
 library, which the model never saw), and writes learning_curve.png into the workdir. Then it
 completes held-out code prompts greedily at batch 1 with each decoder (autoregressive,
-speculative, and 'auto', the default, which stops drafting where it does not pay) and prints
+speculative, and 'auto', the default, which adds prompt-lookup drafts where the text repeats
+and stops each kind of drafting where it does not pay) and prints
 the tokens/s of each, the speedup, the tokens per step, and whether the outputs matched token
 for token (they must: the exit status is 1 if not).
 """
@@ -78,8 +79,9 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
 def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str) -> bool:
   """Greedy batch-1 decoding of held-out code with each decoder; True if outputs matched.
 
-  'auto' (the default of `mtp.generate`) drafts like 'speculative' and stops drafting where it
-  does not pay (`mtp.decode.auto`); both must give the autoregressive tokens exactly.
+  'auto' (the default of `mtp.generate`) drafts like 'speculative', adds prompt-lookup drafts
+  where the text repeats, and stops each kind of drafting where it does not pay
+  (`mtp.decode.auto`); both must give the autoregressive tokens exactly.
   """
   import mtp
   from mtp.data import corpora
