@@ -9,7 +9,8 @@ draft vocabulary size N (0: the whole vocabulary), a speculative chain of all he
   * tokens per loop step, and how many of the autoregressive output's tokens lie inside the
     draft vocabulary (drafts of other tokens are impossible, an upper bound on acceptance);
   * seconds per drafting step relative to a one-token (autoregressive) step, timed on the
-    compiled loops (`driver.seconds_per_step`, best of --step_repeats);
+    compiled loops (`driver.seconds_per_step`) in rounds where each loop takes its turn, the
+    median ratio of --step_repeats rounds;
   * tokens/s and the speedup over autoregressive decoding; decoders take turns within each
     repeat so that machine load hits them alike; medians over --repeats;
   * greedy: whether every output equals the autoregressive one token for token.
@@ -38,7 +39,7 @@ flags.DEFINE_integer('num_prompts', 8, 'Held-out code prompts.')
 flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as fit.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
 flags.DEFINE_integer('repeats', 3, 'Timed generation repeats (medians).')
-flags.DEFINE_integer('step_repeats', 5, 'Timed runs per step cost (the fastest counts).')
+flags.DEFINE_integer('step_repeats', 7, 'Rounds of step timings (the median ratio counts).')
 flags.DEFINE_float('temperature', 0.0, '0: greedy (outputs are compared with autoregressive '
                    'decoding token for token); else sampled (same distribution, other draws).')
 flags.DEFINE_string('tree', 'chain', "Candidates: 'chain' (every head's top-1) or 'default'.")
@@ -68,18 +69,29 @@ def _step_costs(loaded, prompts, batch_size: int, sizes: list[int], tree) -> dic
   common = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                 **mtp.api._emittable(tokenizer, model.cfg))  # pylint: disable=protected-access
 
-  def seconds(request, ids=None):
+  def seconds(request, ids=None, warm_up=False):
     return driver.seconds_per_step(prepared, padded, lengths, request, drafting=True,
-                                   repeats=FLAGS.step_repeats, draft_vocab=ids)
+                                   repeats=1, warm_up=warm_up, draft_vocab=ids)
 
-  one_token = seconds(request_lib.make_request(model.cfg, padded.shape[1],
-                                               decoder='autoregressive', **common))
-  out = {}
+  configs = {'one_token': (request_lib.make_request(model.cfg, padded.shape[1],
+                                                  decoder='autoregressive', **common), None)}
   for n in sizes:
-    request = request_lib.make_request(model.cfg, padded.shape[1], decoder='speculative',
-                                       tree=tree, draft_vocab_size=n, **common)
-    ids = mtp.api.draft_vocabulary(loaded, n) if n else None
-    out[n] = seconds(request, ids) / one_token
+    configs[n] = (request_lib.make_request(model.cfg, padded.shape[1], decoder='speculative',
+                                           tree=tree, draft_vocab_size=n, **common),
+                  mtp.api.draft_vocabulary(loaded, n) if n else None)
+  for request, ids in configs.values():  # Compiled (and timed once, untimed) first.
+    seconds(request, ids, warm_up=True)
+  # Rounds in which every loop takes its turn, so that load from other work hits them alike;
+  # the median ratio over the rounds counts.
+  ratios = {n: [] for n in sizes}
+  one_token_runs = []
+  for _ in range(FLAGS.step_repeats):
+    timed = {key: seconds(*config) for key, config in configs.items()}
+    one_token_runs.append(timed['one_token'])
+    for n in sizes:
+      ratios[n].append(timed[n] / timed['one_token'])
+  out = {n: statistics.median(r) for n, r in ratios.items()}
+  one_token = statistics.median(one_token_runs)
   out['one_token_seconds'] = one_token
   return out
 
