@@ -31,6 +31,9 @@ from mtp.decode import driver
 from mtp.decode import request as request_lib
 
 _FILE_NAME = 'break_even.json'
+# Bumped when the decode loop's steps change cost (the two kinds of drafting step, the KV
+# cache's layout), so that measurements of an older loop are not reused.
+_LOOP_VERSION = 2
 
 
 def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
@@ -40,7 +43,7 @@ def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
   block = hashlib.sha1(repr((tree.choices, tree.lookup_depth)).encode()).hexdigest()[:10]
   sampling = ('greedy' if request.greedy else
               f't{request.temperature:g}-k{request.top_k}-p{request.top_p:g}')
-  return (f'{cost_model.device_kind()}|{cost_model.model_key(model)}|B{batch_size}'
+  return (f'v{_LOOP_VERSION}|{cost_model.device_kind()}|{cost_model.model_key(model)}|B{batch_size}'
           f'|P{prompt_width}|N{tree.num_nodes}-{block}|{sampling}'
           f'|new{request.max_new_tokens}|{"rows" if request.row_mapped else "batch"}'
           f'|mesh{request.mesh.shape if request.mesh is not None else None}'
