@@ -127,16 +127,3 @@ def test_bad_trunk_config_is_named(field, value, message):
   cfg = dataclasses.replace(testing.tiny_config().trunk, **{field: value})
   with pytest.raises(ValueError, match=message):
     cfg.validate()
-
-
-def test_cached_attention_matches_dot_product_attention_on_the_other_layout():
-  b, t, s, q, g, h = 2, 3, 11, 6, 2, 8
-  keys = jax.random.split(jax.random.key(0), 4)
-  queries = jax.random.normal(keys[0], (b, t, q, h))
-  k = jax.random.normal(keys[1], (b, s, g, h))  # dot_product_attention's [B, S, G, H]
-  v = jax.random.normal(keys[2], (b, s, g, h))
-  mask = jax.random.bernoulli(keys[3], 0.6, (b, 1, t, s)).at[..., 0].set(True)
-  want = jax.nn.dot_product_attention(queries, k, v, mask=mask)
-  got = transformer.cached_attention(queries, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2),
-                                     mask)
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
