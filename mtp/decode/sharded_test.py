@@ -55,8 +55,8 @@ def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree):
   request = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=MAX_NEW,
                                      tree=tree, mesh=mesh)
   _, loop_state = driver._begin(model, prompts, PROMPT_LENGTHS, request, 0, None, 0)
-  keys = loop_state.cache.keys[0]  # [B, G, S, H]
+  keys = loop_state.cache.keys[0]  # [B, S, G, H]
   assert keys.sharding.spec[0] == mesh_lib.BATCH_AXES
-  assert keys.sharding.spec[1] == 'tensor'
-  assert keys.addressable_shards[0].data.shape == (1, 1, keys.shape[2], keys.shape[3])
+  assert keys.sharding.spec[2] == 'tensor'
+  assert keys.addressable_shards[0].data.shape == (1, keys.shape[1], 1, keys.shape[3])
   assert not loop_state.lengths.sharding.is_fully_replicated

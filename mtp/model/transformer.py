@@ -144,27 +144,6 @@ def cached_mask(lengths: Array, block_mask: Array, capacity: int) -> Array:
   return (committed[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
 
 
-def cached_attention(q: Array, keys: Array, values: Array, mask: Array) -> Array:
-  """Grouped-query attention of new queries over a cache in its own layout.
-
-  Args:
-    q: [B, T, Q, H] queries (rotary applied); keys, values: [B, G, S, H], Q a multiple of G.
-    mask: [B, 1, T, S] which slots each query sees.
-
-  Returns:
-    [B, T, Q, H], as `jax.nn.dot_product_attention` would give on [B, S, G, H] keys.
-  """
-  b, t, num_q, h = q.shape
-  g = keys.shape[1]
-  grouped = q.reshape(b, t, g, num_q // g, h) * jnp.asarray(h ** -0.5, q.dtype)
-  scores = jnp.einsum('btgrh,bgsh->bgrts', grouped, keys,
-                      preferred_element_type=jnp.float32)
-  scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  out = jnp.einsum('bgrts,bgsh->btgrh', weights, values)
-  return out.reshape(b, t, num_q, h)
-
-
 class Attention(nnx.Module):
   """Grouped-query self-attention with rotary positions and an optional KV cache."""
 
@@ -189,7 +168,7 @@ class Attention(nnx.Module):
                lengths: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
     """Attends x [B, T, D] at `positions` [B, T].
 
-    Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, G, S, H],
+    Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, S, G, H],
     the new keys and values are written at slots `lengths` [B] onward and `mask` is
     [B, 1, T, S]. Returns the output [B, T, D] and the updated (keys, values) or None.
     """
@@ -201,12 +180,11 @@ class Attention(nnx.Module):
     q = rotary_embedding(q, positions, cfg.rope_theta)
     k = rotary_embedding(k, positions, cfg.rope_theta)
     if cache is not None:
-      keys = kv_cache_lib.write_slots(cache[0], k, lengths)
-      values = kv_cache_lib.write_slots(cache[1], v, lengths)
+      keys = kv_cache_lib.write_rows(cache[0], k, lengths)
+      values = kv_cache_lib.write_rows(cache[1], v, lengths)
+      k, v = keys.astype(q.dtype), values.astype(q.dtype)
       cache = (keys, values)
-      out = cached_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
-    else:
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask)
     return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
 
 

@@ -181,7 +181,7 @@ class EagleDrafter(heads.HeadFamily):
     b, t = tokens.shape
     cfg = trunk.cfg
     dtype = transformer.dtype_of(cfg.dtype)
-    shape = (b, cfg.num_kv_heads, k * t, cfg.head_dim)  # The KV cache's layout.
+    shape = (b, k * t, cfg.num_kv_heads, cfg.head_dim)
     layer_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     outputs, features = [], normed
     for depth in range(1, k + 1):
