@@ -77,10 +77,10 @@ class LoopState:
     without its lookup chain), 1 the whole block, lookup chain included (only for a tree with
     one, and only when some row's lookup key is at least `lookup_min_key` long). Each kind is
     accounted apart and stops once it stops paying; where neither runs, the loop decodes one
-    token per pass. A stopped kind is tried again, with a fresh account and probe, once
-    enough one-token steps have passed that a failed probe would lose at most
-    `request.FALLBACK_BUDGET` of them: acceptance that changes during a long generation is
-    followed, at a bounded cost.
+    token per pass. A stopped kind is tried again, with a fresh account and a probe of one
+    step, once enough steps have passed that a failed retry loses at most half of
+    `request.FALLBACK_BUDGET` of them (the probe has the budget too): acceptance that changes
+    during a generation (a text that starts repeating itself) is followed, at a bounded cost.
     pays: [2] bool whether each kind still pays.
     idle: [2] int32 loop steps since each kind stopped (0 while it pays).
     costs: [2] float32 one step of each kind, in one-token steps: its break-even in tokens
@@ -391,9 +391,11 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     pays = s.pays & (early | (s.block_tokens.astype(jnp.float32)
                               >= s.costs * s.block_steps.astype(jnp.float32)))
     idle = jnp.where(pays, 0, s.idle + 1)
-    failed_probe = s.probe_steps.astype(jnp.float32) * jnp.maximum(s.costs - 1, 0)
-    retry = ~pays & (idle.astype(jnp.float32) * request_lib.FALLBACK_BUDGET >= failed_probe)
+    failed_retry = jnp.maximum(s.costs - 1, 0)  # One step whose drafts all fail.
+    retry = ~pays & (idle.astype(jnp.float32) * (request_lib.FALLBACK_BUDGET / 2)
+                     >= failed_retry)
     return s.replace(pays=pays | retry, idle=jnp.where(retry, 0, idle),
+                     probe_steps=jnp.where(retry, 1, s.probe_steps),
                      block_tokens=jnp.where(retry, 0, s.block_tokens),
                      block_steps=jnp.where(retry, 0, s.block_steps))
 

@@ -213,18 +213,29 @@ def test_seconds_per_step_times_the_heads_block_alone(model, lookup_request):
                             heads_only=True)
 
 
-def test_a_stopped_kind_is_tried_again_within_the_budget(model, prompts):
-  # Oracle drafts give DEPTH + 1 = 4 tokens a step, short of 4.2: drafting stops after its
-  # one-step probe. A failed probe would lose 1 x (4.2 - 1) = 3.2 one-token steps, 5% of 64:
-  # after 64 one-token steps it is tried again (and stops again).
-  max_new = 100
+def _oracle_chain_of_one(model, prompts, max_new, **fallback):
+  """'auto' with oracle drafts, one a step: a drafting step emits 2 tokens, a one-token step 1."""
   reference = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new,
                               decoder='autoregressive')
-  data = jnp.asarray(np.pad(np.asarray(reference.tokens), ((0, 0), (0, DEPTH + 1))))
-  out = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new,
+  data = jnp.asarray(np.pad(np.asarray(reference.tokens), ((0, 0), (0, 2))))
+  out = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new, tree=1,
                         decoder='auto', draft_hook=KnownDrafts(True), hook_data=data,
-                        break_even=4.2, probe_steps=1)
+                        **fallback)
   np.testing.assert_array_equal(out.tokens, reference.tokens)
-  hist = np.asarray(out.accepted_histogram)
-  np.testing.assert_array_equal(hist[:, DEPTH + 1], 2)  # The probe, and one retry.
-  np.testing.assert_array_equal(hist[:, 1], max_new - 1 - 2 * (DEPTH + 1))
+  return np.asarray(out.accepted_histogram)[:, 2]  # Drafting steps per row.
+
+
+def test_a_stopped_kind_is_tried_again_within_the_budget(model, prompts):
+  # 2 tokens a step fall short of 2.2: drafting stops after its one-step probe. A failed retry
+  # step would lose 2.2 - 1 = 1.2 one-token steps, half the 5% budget of 48: it is tried
+  # again for one step after 48 one-token steps, and stops again.
+  np.testing.assert_array_equal(
+      _oracle_chain_of_one(model, prompts, 100, break_even=2.2, probe_steps=1), 2)
+  # Without the retry's step (fewer one-token steps than 48 after the probe): the probe alone.
+  np.testing.assert_array_equal(
+      _oracle_chain_of_one(model, prompts, 40, break_even=2.2, probe_steps=1), 1)
+
+
+def test_a_retry_probes_one_step_whatever_the_first_probe(model, prompts):
+  np.testing.assert_array_equal(
+      _oracle_chain_of_one(model, prompts, 100, break_even=2.2, probe_steps=3), 3 + 1)
