@@ -162,10 +162,10 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     loaded_or_workdir: `mtp.load(...)`'s result, or a workdir or export directory to load.
     prompts: one prompt or a list.
     max_new_tokens: tokens to generate per prompt at most (EOS stops earlier).
-    decoder: a name in `decoders.NAMES`: 'auto' (the default: speculative decoding that stops
-      drafting for the rest of a batch once it stops paying, judged against drafting's
-      break-even measured once on this hardware, `decode.auto`; autoregressive for a model
-      without heads), 'speculative' (the model's heads draft, its trunk verifies; same output
+    decoder: a name in `decoders.NAMES`: 'auto' (the default: speculative decoding, greedy
+      with prompt-lookup drafts where the text repeats, that stops each kind of drafting step
+      where it does not pay, judged against its break-even measured once on this hardware,
+      `decode.auto`, and retries it now and then; autoregressive for a model without heads), 'speculative' (the model's heads draft, its trunk verifies; same output
       distribution) or 'autoregressive'.
     temperature: 0 = greedy; else sampling from softmax(logits / temperature).
     top_k: keep the k most likely tokens (0 = all).
@@ -258,12 +258,13 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     measure = functools.partial(auto.break_even, prepared, batches[0][1], batches[0][2],
                                 request)
     whole = measure()
-    fallback = dict(break_even=whole, probe_steps=auto.probe_steps(whole, max_new_tokens))
     if request.tree.lookup_depth:  # The heads' block alone is the other kind of step.
       heads = measure(heads_only=True)
       fallback = dict(break_even=(heads, whole), probe_steps=(
           auto.probe_steps(heads, max_new_tokens),
           auto.probe_steps(whole, max_new_tokens, least=auto.LOOKUP_LEAST_PROBE)))
+    else:
+      fallback = dict(break_even=whole, probe_steps=auto.probe_steps(whole, max_new_tokens))
 
   results = []
   root_key = jax.random.key(seed)

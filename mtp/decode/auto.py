@@ -6,10 +6,10 @@ batch size, block and prompt width. It covers everything a step does (the verifi
 the heads' drafting, acceptance, cache bookkeeping), unlike the verification-only cost curve
 of `cost_model`, and it is measured on the very compiled loop that then decodes: an 'auto'
 request holds both kinds of step (`DecodeRequest.fallback`), so measuring compiles nothing
-extra. The loop stops drafting for the rest of a call once its tokens per step fall below the
-break-even, checked after a probe of a few steps (`probe_steps`: as many as keep the worst
-case, every draft rejected, within 5% of the call's one-token steps), so 'auto' loses at most
-that to autoregressive decoding.
+extra. The loop stops drafting once its tokens per step fall below the break-even, checked
+after a probe of a few steps (`probe_steps`: as many as keep the worst case, every draft
+rejected, within 5% of the call's one-token steps), and tries it again for one step now and
+then (`driver.LoopState`: each retry's worst case within half that budget of the steps since).
 
 A tree with a lookup chain has two kinds of drafting step (`driver.LoopState`): the whole
 block where the lookup drafts look likely to pass, the heads' block elsewhere. Each has its

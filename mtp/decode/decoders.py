@@ -42,8 +42,8 @@ _REGISTRY = (
     # they cost little where the text does not repeat. 8: see `default_lookup`.
     Decoder('auto', drafts=True, adaptive=True, steps_per_chunk=4, lookup=8,
             summary='speculative decoding that adapts: greedy, it adds prompt-lookup drafts '
-            'where the text repeats; each kind of drafting step stops, for the rest of the '
-            'call, once its tokens per step fall below its measured cost on this hardware '
+            'where the text repeats; each kind of drafting step stops once its tokens per '
+            'step fall below its measured cost on this hardware, and is retried now and then '
             '(exact, as speculative)'),
     Decoder('speculative', drafts=True, steps_per_chunk=4,
             summary='the model\'s heads draft a tree of candidates, its trunk verifies them '

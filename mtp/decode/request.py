@@ -57,9 +57,10 @@ class DecodeRequest:
     row_mapped: run the model row by row (`row_mapped.py`): each row's tokens are bit-identical
       to a batch of one's, whatever else is in the batch (a server's promise), at the cost of
       rows not sharing matmuls.
-    fallback: the 'auto' decoder: drafting stops for the rest of the call (every row then
-      decodes one token per pass) once the batch, after a few probe steps, emits fewer tokens
-      per step than drafting's break-even, the cost of one drafting step in one-token steps.
+    fallback: the 'auto' decoder: drafting stops (every row then decodes one token per pass,
+      with a one-step retry now and then, `driver.LoopState`) once the batch, after a few
+      probe steps, emits fewer tokens per step than drafting's break-even, the cost of one
+      drafting step in one-token steps.
       The break-even and the probe are traced (`driver.decode(..., break_even=,
       probe_steps=)`; break-even 0: never stop), so measuring and using them share one
       compiled decoder.
