@@ -112,6 +112,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.source = ''
   c.data.prefetch = 2              # data.source: batches read ahead, one thread each
 
+  # A long-context phase: the last `long_context.steps` steps train on rows of
+  # `long_context.seq_len` tokens, `long_context.batch_size` rows per batch (a context extension
+  # stage, as pretraining recipes end with). Rows of data.seq_len are cheaper to train on, but
+  # attention never sees a longer distance in them and reads longer prompts worse the longer
+  # they are. 0 steps: no such phase. Evaluation stays at data.seq_len.
+  c.long_context = ml_collections.ConfigDict()
+  c.long_context.steps = 0
+  c.long_context.seq_len = 1024
+  c.long_context.batch_size = 2
+
   c.optim = ml_collections.ConfigDict()
   c.optim.mode = 'joint'           # 'joint' | 'frozen_trunk' (Medusa-1) | 'finetune' (Medusa-2)
   c.optim.learning_rate = 3e-3

@@ -99,7 +99,8 @@ def calibrate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 
 
 
 def code_prompts(files: Sequence[str | pathlib.Path], tokenizer, num_prompts: int = 8,
-                 max_tokens: int = 128, min_tokens: int = 64) -> list[str]:
+                 max_tokens: int = 128, min_tokens: int = 64,
+                 max_chars: int | None = None) -> list[str]:
   """Prompts from source files: their first lines of code, cut at a line boundary.
 
   Leading comment and blank lines (licence headers) are skipped, so a prompt starts where the
@@ -112,6 +113,8 @@ def code_prompts(files: Sequence[str | pathlib.Path], tokenizer, num_prompts: in
     num_prompts: prompts wanted (fewer if the files run out).
     max_tokens: a prompt holds as many whole lines as fit in this many tokens.
     min_tokens: shorter prompts are not used.
+    max_chars: if given, a prompt also holds at most this many characters (a budget that does
+      not depend on the tokenizer, for comparing vocabularies).
   """
   files = list(files)
   if not files:
@@ -127,6 +130,8 @@ def code_prompts(files: Sequence[str | pathlib.Path], tokenizer, num_prompts: in
                   if line.strip() and not line.lstrip().startswith('#')), len(lines))
     text = ''
     for line in lines[first:]:
+      if max_chars is not None and len(text) + len(line) > max_chars:
+        break
       if len(tokenizer.encode(text + line)) > max_tokens:
         break
       text += line

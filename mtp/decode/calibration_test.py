@@ -57,3 +57,13 @@ def test_code_prompts_skip_the_header_and_cut_at_a_line(tmp_path):
   [prompt] = prompts
   assert body.startswith(prompt) and prompt.endswith('\n')
   assert 40 < len(tokenizer.encode(prompt)) <= 50
+
+
+def test_code_prompts_keep_to_a_character_budget(tmp_path):
+  tokenizer = tokenizer_lib.byte_tokenizer()
+  body = ''.join(f'value_{i} = {i}\n' for i in range(200))
+  (tmp_path / 'a.py').write_text(body)
+  [prompt] = calibration.code_prompts([tmp_path / 'a.py'], tokenizer, num_prompts=1,
+                                      max_tokens=10_000, min_tokens=1, max_chars=100)
+  assert body.startswith(prompt) and prompt.endswith('\n')
+  assert 100 - len('value_10 = 10\n') < len(prompt) <= 100

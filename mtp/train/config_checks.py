@@ -13,6 +13,7 @@ from mtp.model import layout
 from mtp.model import mtp_model
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
+from mtp.train import long_context
 from mtp.train import optim
 
 # Model settings that change how it runs, not what its parameters are. (`scan_layers` changes
@@ -46,6 +47,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
   if config.data.seq_len > config.model.max_seq_len:
     raise ValueError(f'data.seq_len ({config.data.seq_len}) exceeds the model\'s maximum '
                      f'sequence length model.max_seq_len ({config.model.max_seq_len}).')
+  long_context.validate(config, num_devices)
+  if long_context.num_steps(config) and distill.uses_trunk_cache(config):
+    raise ValueError('long_context trains on rows of another length than the distill caches '
+                     'hold: set long_context.steps=0 with distill.targets or '
+                     'distill.cache_trunk_states.')
   distill.validate(config)
   if config.data.get('source') and distill.uses_trunk_cache(config):
     raise ValueError('distill.cache_trunk_states reads the in-memory corpus: it cannot be used '
@@ -80,6 +86,13 @@ def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDi
     if _normalise(saved_data.get(key)) != _normalise(config.data.get(key)):
       mismatched.append(f'data.{key}: {saved_data.get(key)!r} in the workdir, '
                         f'{config.data.get(key)!r} now')
+  # Its position too, once the phase has a saved config to compare with.
+  saved_long = saved.get('long_context') or {}
+  for key in ('steps', 'seq_len', 'batch_size'):
+    if key in saved_long and config.get('long_context') is not None and _normalise(
+        saved_long[key]) != _normalise(config.long_context.get(key)):
+      mismatched.append(f'long_context.{key}: {saved_long[key]!r} in the workdir, '
+                        f'{config.long_context.get(key)!r} now')
   if mismatched:
     raise ValueError(f'The config does not match the existing workdir {workdir}: '
                      + '; '.join(mismatched) + '. Use a new --workdir or the saved config.')

@@ -32,6 +32,7 @@ from mtp.train import distill
 from mtp.train import divergence
 from mtp.train import flops
 from mtp.train import init
+from mtp.train import long_context
 from mtp.train import preemption
 from mtp.train import profiling
 from mtp.train import step as step_lib
@@ -109,6 +110,23 @@ def _throughput_metrics(config: ml_collections.ConfigDict) -> Callable[[float], 
                            device_kind=jax.devices()[0].device_kind)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Phase:
+  """Steps reading one kind of row: the run's rows, or the long-context phase's."""
+  iterator: pipeline.BatchIterator
+  tokens_per_batch: int
+  throughput: Callable[[float], dict]
+
+  @classmethod
+  def make(cls, config: ml_collections.ConfigDict, data: ml_collections.ConfigDict, arrays,
+           seed: int, prefetch: int) -> _Phase:
+    iterator = pipeline.make_train_iterator(arrays, data.batch_size, seed, jax.process_index(),
+                                            jax.process_count(), prefetch=prefetch)
+    flops_config = config.copy_and_resolve_references()
+    flops_config.data = data
+    return cls(iterator, data.batch_size * data.seq_len, _throughput_metrics(flops_config))
+
+
 def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
            stop_after_step: int | None, on_metrics: Callable[[dict], None] | None
            ) -> dict[str, float]:
@@ -129,6 +147,12 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
     cache_dir = paths.local_dir(workdir, 'data_cache')
     train_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'train', cache_dir)
     valid_arrays = pipeline.load_or_build_split(config.data, tokenizer, 'valid', cache_dir)
+  long_arrays = None
+  if long_context.num_steps(config):
+    long_data = long_context.data_config(config)
+    long_arrays = (streaming.split_rows(dataset, 'train', long_data.seq_len, tokenizer)
+                   if dataset is not None else
+                   pipeline.load_or_build_split(long_data, tokenizer, 'train', cache_dir))
   # Only now that the corpus and tokenizer check out: a run that failed on them leaves no
   # config.json, so a corrected config may start in the same workdir.
   checkpointing.save_config(workdir, config)
@@ -148,22 +172,28 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
                                               max_rows=config.eval_steps * config.data.batch_size)
     base_params.cache_clear()
   prefetch = config.data.get('prefetch', 2) if dataset is not None else 0  # Streamed reads.
-  iterator = pipeline.make_train_iterator(train_arrays, config.data.batch_size, config.seed,
-                                          jax.process_index(), jax.process_count(),
-                                          prefetch=prefetch)
+  phases = [_Phase.make(config, config.data, train_arrays, config.seed, prefetch)]
+  if long_arrays is not None:  # Its own seed: its rows are shuffled apart from the first's.
+    phases.append(_Phase.make(config, long_context.data_config(config), long_arrays,
+                              config.seed + 1, prefetch))
+
+  def phase_of(step: int) -> _Phase:
+    return phases[-1] if long_context.in_phase(config, step) else phases[0]
+
   eval_batches = pipeline.make_eval_batches(valid_arrays, config.data.batch_size,
                                             config.eval_steps, jax.process_index(),
                                             jax.process_count()) if config.eval_steps else []
   checkpointer = checkpointing.Checkpointer(workdir, config.keep_checkpoints)
-  state, start_step = init.initial_state(config, workdir, trainer, checkpointer, iterator)
+  # A checkpoint holds the position of the iterator that fed its own step.
+  resumed_phase = phase_of(checkpointer.latest_step() or 1)
+  state, start_step = init.initial_state(config, workdir, trainer, checkpointer,
+                                         resumed_phase.iterator)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   logging.info('Model: %s parameters, %s.', f'{num_params:,}', trainer.model_config)
 
   writer = writers.MetricWriter(workdir, resume_from_step=start_step,
                                 progress_total=config.num_train_steps, initial=start_step,
                                 show_progress=config.progress_bar and jax.process_index() == 0)
-  tokens_per_batch = config.data.batch_size * config.data.seq_len
-  throughput = _throughput_metrics(config)
   profiler = profiling.StepProfiler(config.get('profile_steps', ''), workdir / 'profile')
   last_metrics: dict[str, float] = {}
   last_step = config.num_train_steps
@@ -179,8 +209,11 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   try:
     with preemption.StopRequest() as stop:
       for step in range(start_step + 1, last_step + 1):
+        phase = phase_of(step)
+        if phase is not phase_of(step - 1) and interval is not None:
+          interval = None  # The new row shape compiles: leave that out of the throughput.
         profiler.before_step(step)
-        state, metrics = trainer.train_step(state, trainer.train_batch(next(iterator)))
+        state, metrics = trainer.train_step(state, trainer.train_batch(next(phase.iterator)))
         profiler.after_step(step, state)
         guard.add(step, metrics)
         if interval is None:  # Leave compilation out of the throughput.
@@ -189,13 +222,13 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
           interval = _Interval(time.perf_counter())
         else:
           interval.metrics.append(metrics)
-          interval.tokens += tokens_per_batch
+          interval.tokens += phase.tokens_per_batch
         if step % config.log_every_steps == 0 or step == last_step:
           guard.check()
           if not interval.metrics:
             interval.metrics.append(metrics)
           last_metrics = {'step': step, **interval.summary()}
-          last_metrics.update(throughput(last_metrics['tokens_per_sec']))
+          last_metrics.update(phase.throughput(last_metrics['tokens_per_sec']))
           writer.write(last_metrics)
           if on_metrics:
             on_metrics(last_metrics)
@@ -211,7 +244,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
         if (step % config.checkpoint_every_steps == 0 or step == last_step or stop.requested):
           guard.check()  # Never save a diverged state (nor rotate good checkpoints out for it).
           checkpointer.save(step, init.saved_params(config, state.params), state.opt_state,
-                            iterator, force=True)
+                            phase.iterator, force=True)
         if stop.requested:
           if step < config.num_train_steps:  # Else it finished all the same.
             preempted_at = step
