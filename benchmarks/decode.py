@@ -41,6 +41,8 @@ flags.DEFINE_enum('prompt_source', 'heldout', ['heldout', 'valid'],
                   'training corpus\'s validation files (unseen files, the training style).')
 flags.DEFINE_integer('num_prompts', 8, 'Prompts.')
 flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as fit.')
+flags.DEFINE_integer('prompt_chars', 0, 'If > 0, prompts also hold at most this many characters '
+                     '(the demo reads 2,000 with --prompt_tokens=1024).')
 flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
 flags.DEFINE_list('batch_sizes', ['1', '8'], 'Batch sizes to measure.')
 flags.DEFINE_integer('repeats', 3, 'Timed repeats per decoder and batch size (medians).')
@@ -72,7 +74,9 @@ def measure_workdir(workdir: str) -> dict:
     files = corpora.corpus_splits(loaded.config.data)['valid'][1::2]
   prompts = calibration.code_prompts(files, tokenizer, FLAGS.num_prompts,
                                      max_tokens=FLAGS.prompt_tokens,
-                                     min_tokens=FLAGS.prompt_tokens // 2)
+                                     min_tokens=(FLAGS.prompt_chars // 16 if FLAGS.prompt_chars
+                                                 else FLAGS.prompt_tokens // 2),
+                                     max_chars=FLAGS.prompt_chars or None)
   prompt_lengths = [len(tokenizer.encode(p)) for p in prompts]
   print(f'{len(prompts)} {FLAGS.prompt_source} prompts of {min(prompt_lengths)}-'
         f'{max(prompt_lengths)} tokens, {FLAGS.max_new_tokens} new tokens each', flush=True)

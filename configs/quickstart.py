@@ -18,6 +18,7 @@ def get_config(size: str = 'cpu'):
     raise ValueError(f'configs/quickstart.py takes one of {SIZES}, got {size!r}')
   c = code_small.get_config()
   c.progress_bar = False
+  c.long_context.steps = 0  # The notebooks' prompts are short (the accelerator's run: below).
   if size == 'fast':
     c.model.num_layers, c.model.embed_dim, c.model.mlp_dim = 2, 128, 384
     c.model.vocab_size = 1024
@@ -31,4 +32,5 @@ def get_config(size: str = 'cpu'):
   else:
     c.num_train_steps, c.data.batch_size = 1500, 32
     c.eval_every_steps = c.checkpoint_every_steps = 500
+    c.long_context.steps, c.long_context.batch_size = 150, 8
   return c

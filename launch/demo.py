@@ -29,6 +29,7 @@ flags.DEFINE_string('workdir', 'workdirs/code_small', 'Training workdir (reused 
 flags.DEFINE_integer('heldout_batches', 8, 'Batches of held-out code to evaluate on.')
 flags.DEFINE_integer('decode_prompts', 8, 'Held-out code prompts to decode (0: skip decoding).')
 flags.DEFINE_integer('decode_tokens', 128, 'Tokens to generate per prompt.')
+flags.DEFINE_integer('prompt_chars', 2000, 'Characters per prompt: its first lines of code.')
 flags.DEFINE_string('decode_tree', 'chain', 'Speculative candidates: chain, default or auto.')
 
 
@@ -76,7 +77,8 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
   plt.close(fig)
 
 
-def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str) -> bool:
+def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str,
+                     prompt_chars: int) -> bool:
   """Greedy batch-1 decoding of held-out code with each decoder; True if outputs matched.
 
   'auto' (the default of `mtp.generate`) drafts like 'speculative', adds prompt-lookup drafts
@@ -88,8 +90,11 @@ def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str) -
   from mtp.decode import calibration
 
   prompts = calibration.code_prompts(corpora.heldout_files(), loaded.tokenizer, num_prompts,
-                                     max_tokens=128, min_tokens=64)
-  print(f'\n== Decoding {len(prompts)} held-out code prompts greedily at batch 1, '
+                                     max_tokens=loaded.config.model.max_seq_len - max_new_tokens,
+                                     min_tokens=64, max_chars=prompt_chars)
+  mean_tokens = sum(len(loaded.tokenizer.encode(p)) for p in prompts) / len(prompts)
+  print(f'\n== Decoding {len(prompts)} held-out code prompts (up to {prompt_chars} '
+        f'characters, {mean_tokens:.0f} tokens on average) greedily at batch 1, '
         f'{max_new_tokens} new tokens each (compilation excluded; best of 2 runs):')
   runs = {'autoregressive': [], 'speculative': [], 'auto': []}
   for _ in range(2):  # Alternate, so that load from other processes hits all alike.
@@ -159,7 +164,7 @@ def main(argv):
           f'(teacher-forced), {1 + heldout["acceptance_proxy"]:.2f} tokens per step')
   if FLAGS.decode_prompts > 0 and num_heads > 0:
     if not compare_decoders(loaded, FLAGS.decode_prompts, FLAGS.decode_tokens,
-                            FLAGS.decode_tree):
+                            FLAGS.decode_tree, FLAGS.prompt_chars):
       raise SystemExit('speculative and autoregressive outputs differ')
 
 
