@@ -18,12 +18,17 @@ PROMPT_LENGTHS = np.array([7, 3, 5], np.int32)
 
 @dataclasses.dataclass(frozen=True)
 class KnownDrafts:
-  """A chain hook: the reference continuation (right) or one off it (every draft wrong)."""
+  """A chain hook: the reference continuation (right) or one off it (every draft wrong);
+  `right_rows` (if given) are right and the other rows wrong."""
   right: bool
+  right_rows: tuple[int, ...] | None = None
 
   def __call__(self, drafts, num_generated, data):
     index = num_generated[:, None] + jnp.arange(drafts.shape[1])[None, :]
     tokens = jnp.take_along_axis(data, index, axis=1)
+    if self.right_rows is not None:
+      right = np.isin(np.arange(drafts.shape[0]), self.right_rows)[:, None]
+      return jnp.where(right, tokens, (tokens + 1) % VOCAB)
     return tokens if self.right else (tokens + 1) % VOCAB
 
 
@@ -43,12 +48,12 @@ def reference(model, prompts):
                          decoder='autoregressive')
 
 
-def _run(model, prompts, reference, *, right, break_even, after=4):
+def _run(model, prompts, reference, *, right, break_even, after=4, right_rows=None):
   ref = np.asarray(reference.tokens)
   data = jnp.asarray(np.pad(ref, ((0, 0), (0, DEPTH + 1))))
   return driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
-                         decoder='auto', draft_hook=KnownDrafts(right), hook_data=data,
-                         break_even=break_even, probe_steps=after)
+                         decoder='auto', draft_hook=KnownDrafts(right, right_rows),
+                         hook_data=data, break_even=break_even, probe_steps=after)
 
 
 def test_rejected_drafts_fall_back_to_one_token_steps_exactly(model, prompts, reference):
@@ -78,6 +83,19 @@ def test_a_high_break_even_stops_drafting_after_the_probe(model, prompts, refere
   hist = np.asarray(out.accepted_histogram)
   np.testing.assert_array_equal(hist[:, DEPTH + 1], after)  # The probe's full steps.
   np.testing.assert_array_equal(hist[:, 1], MAX_NEW - 1 - after * (DEPTH + 1))
+
+
+def test_a_batch_is_judged_by_its_row_furthest_behind(model, prompts, reference):
+  # Rows 0 and 1 get oracle drafts (4 tokens a step), row 2 wrong ones (1): 3 tokens a
+  # row-step on average, above the break-even of 2, but the batch runs until row 2 is done,
+  # and for row 2 drafting costs 2 steps' time for 1 token. So drafting stops after the probe.
+  after = 2
+  out = _run(model, prompts, reference, right=True, break_even=2.0, after=after,
+             right_rows=(0, 1))
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  hist = np.asarray(out.accepted_histogram)
+  np.testing.assert_array_equal(hist[:2, DEPTH + 1], after)  # The probe's full steps only.
+  np.testing.assert_array_equal(hist[2, 2:], 0)
 
 
 def test_sampled_decoding_falls_back_too(model, prompts):
@@ -131,17 +149,20 @@ def test_bad_probe_is_named(model, prompts):
                     break_even=2.0, probe_steps=0)
 
 
-# Lookup on demand: an 'auto' tree with a lookup chain verifies the whole block only where some
+# Lookup on demand: an 'auto' tree with a lookup chain verifies the whole block only where every
 # row's lookup drafts matched a long enough key, else the heads' block; each kind pays its way.
 
 REPEATING = np.array([[5, 6, 7, 5, 6, 7, 5], [9, 9, 9, 0, 0, 0, 0], [3, 4, 8, 1, 2, 0, 0]],
                      np.int32)
 
 
-def _final_state(model, request, *, min_key, break_evens=(0.0, 0.0), probe_steps=2):
-  """The loop state after decoding REPEATING with `request` (internals: which kinds ran)."""
-  prepared, state = driver._begin(model, REPEATING, PROMPT_LENGTHS, request, 0, None, 0,
-                                  break_even=break_evens,
+def _final_state(model, request, *, min_key, break_evens=(0.0, 0.0), probe_steps=2,
+                 rows=(0, 1, 2)):
+  """The loop state after decoding `rows` of REPEATING with `request` (internals: which kinds
+  ran)."""
+  rows = list(rows)
+  prepared, state = driver._begin(model, REPEATING[rows], PROMPT_LENGTHS[rows], request, 0,
+                                  None, 0, break_even=break_evens,
                                   probe_steps=probe_steps)
   state = state.replace(lookup_min_key=jnp.int32(min_key))
   return driver._run(prepared.structure, prepared.leaves, state,
@@ -164,7 +185,7 @@ def repeating_reference(model):
 def test_lookup_on_demand_is_exact(model, lookup_request, repeating_reference, min_key):
   state = _final_state(model, lookup_request, min_key=min_key)
   np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
-  steps = np.asarray(state.block_steps)
+  steps = np.asarray(state.block_steps).sum(0)
   if min_key == 0:    # Every key qualifies: the whole block every step.
     assert steps[0] == 0 and steps[1] > 0
   elif min_key == 99:  # None does: the heads' block every step.
@@ -182,11 +203,11 @@ def test_each_kind_of_step_stops_paying_on_its_own(model, lookup_request, repeat
   np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
   assert np.asarray(state.pays).tolist() == [False, True]
   # The probe: 2 heads' steps for each of the 3 rows, then one token a step.
-  assert np.asarray(state.block_steps).tolist() == [2 * 3, 0]
+  assert np.asarray(state.block_steps).sum(0).tolist() == [2 * 3, 0]
   state = _final_state(model, lookup_request, min_key=0, break_evens=(0.0, 50.0))
   np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
   assert np.asarray(state.pays).tolist() == [True, False]
-  assert np.asarray(state.block_steps)[1] == 2 * 3
+  assert np.asarray(state.block_steps).sum(0)[1] == 2 * 3
 
 
 def test_lookup_stays_current_through_one_token_steps(model, lookup_request,
@@ -196,10 +217,14 @@ def test_lookup_stays_current_through_one_token_steps(model, lookup_request,
   state = _final_state(model, lookup_request, min_key=2, break_evens=(50.0, 0.0))
   np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens)
   assert np.asarray(state.pays).tolist() == [False, True]
-  assert np.asarray(state.block_steps)[1] > 0
-  # The last row repeats one token: its lookup drafts pass, many tokens a step.
+  assert np.asarray(state.block_steps).sum(0)[1] > 0
+  # The last row repeats one token: alone in its batch (the whole block runs only where every
+  # row's lookup key qualifies), its lookup drafts pass, many tokens a step.
   assert np.asarray(repeating_reference.tokens)[2].tolist() == [44] * MAX_NEW
-  assert np.asarray(state.num_steps)[2] <= MAX_NEW // 3
+  state = _final_state(model, lookup_request, min_key=2, break_evens=(50.0, 0.0), rows=[2])
+  np.testing.assert_array_equal(state.tokens[:, :MAX_NEW], repeating_reference.tokens[2:])
+  assert np.asarray(state.block_steps).sum(0)[1] > 0
+  assert np.asarray(state.num_steps)[0] <= MAX_NEW // 3
 
 
 def test_seconds_per_step_times_the_heads_block_alone(model, lookup_request):
