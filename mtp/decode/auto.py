@@ -32,8 +32,8 @@ from mtp.decode import request as request_lib
 
 _FILE_NAME = 'break_even.json'
 # Bumped when the decode loop's steps change cost (the two kinds of drafting step, the KV
-# cache's layout), so that measurements of an older loop are not reused.
-_LOOP_VERSION = 2
+# cache's layout) or the way they are timed, so that older measurements are not reused.
+_LOOP_VERSION = 3
 
 
 def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
@@ -62,7 +62,7 @@ def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeReques
     request: an 'auto' request (`request.fallback`).
     cache_dir: where the cache file lives (default `cost_model.default_cache_dir()`).
     refresh: measure again even when cached.
-    steps, repeats: loop steps per timed run, and timed pairs of runs (the median ratio
+    steps, repeats: loop steps per timed run, and timed runs of each kind (the fastest
       counts).
     heads_only: a request with a lookup chain: the heads' block alone (the loop's other kind
       of drafting step, `driver.LoopState`); else the whole block.
@@ -85,11 +85,12 @@ def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeReques
                                    repeats=1, warm_up=warm_up)
 
   timed(True, warm_up=True)  # Compiles (the decode that follows reuses it).
-  # The two kinds take turns and each pair gives a ratio, so that load from other work hits
-  # both alike; the median pair counts.
-  pairs = sorted(((timed(True), timed(False)) for _ in range(repeats)),
-                 key=lambda pair: pair[0] / pair[1])
-  drafting, one_token = pairs[len(pairs) // 2]
+  # The two kinds take turns, and the fastest run of each counts: load from other work only
+  # ever adds time. (The median of per-pair ratios, used before, read 1.25 for a heads' block
+  # whose fastest runs cost 2.0 one-token steps, on a busy machine: drafting then ran where
+  # it lost.)
+  pairs = [(timed(True), timed(False)) for _ in range(repeats)]
+  drafting, one_token = min(d for d, _ in pairs), min(o for _, o in pairs)
   ratio = drafting / one_token
   table = cost_model.read_table(path)  # Another process may have written meanwhile.
   table[key] = {'break_even': ratio,
