@@ -21,10 +21,9 @@ and the demo's business; this only compares models.
 from __future__ import annotations
 
 import io
-import json
-import pathlib
 import tokenize
 
+import benchmarks
 from absl import app
 from absl import flags
 
@@ -170,10 +169,7 @@ def main(argv):
   for r in results:
     print(f'\n== {r["workdir"]}: the first prompt\'s last lines, then >>> the completion\n'
           f'{r["sample"]["prompt_tail"]}>>>{r["sample"]["completion"]}')
-  out = pathlib.Path(FLAGS.output)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=2))
-  print(f'\nwrote {out}')
+  benchmarks.write_json(FLAGS.output, results)
 
 
 if __name__ == '__main__':

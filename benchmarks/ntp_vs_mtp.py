@@ -12,9 +12,8 @@ quality; this measures how much here. Writes results/ntp_vs_mtp.json.
 
 from __future__ import annotations
 
-import json
-import pathlib
 
+import benchmarks
 from absl import app
 from absl import flags
 from ml_collections import config_flags
@@ -62,10 +61,7 @@ def main(argv):
     delta = results['mtp'][split]['ntp_loss'] - results['ntp'][split]['ntp_loss']
     results[f'{split}_ntp_loss_delta'] = delta
     print(f'{split:<10} MTP - NTP next-token loss: {delta:+.4f} nats')
-  out = pathlib.Path(FLAGS.output)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=2))
-  print(f'\nwrote {out}')
+  benchmarks.write_json(FLAGS.output, results)
 
 
 if __name__ == '__main__':

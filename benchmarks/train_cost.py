@@ -13,11 +13,10 @@ results/train_cost.json.
 
 from __future__ import annotations
 
-import json
-import pathlib
 import statistics
 import time
 
+import benchmarks
 from absl import app
 from absl import flags
 from ml_collections import config_flags
@@ -96,10 +95,7 @@ def main(argv):
     r['tokens_per_sec'] = tokens / r['step_seconds']
     print(f'{r["variant"]:<34} {r["step_seconds"]:>8.3f} {r["tokens_per_sec"]:>8.0f} '
           f'{r["time_ratio"]:>7.2f} {r["peak_bytes"] / 2**20:>9.1f} {r["memory_ratio"]:>6.2f}')
-  out = pathlib.Path(FLAGS.output)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(rows, indent=2))
-  print(f'\nwrote {out}')
+  benchmarks.write_json(FLAGS.output, rows)
 
 
 if __name__ == '__main__':

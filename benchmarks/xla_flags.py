@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
+import benchmarks
 from absl import app
 from absl import flags
 
@@ -120,12 +120,9 @@ def main(argv):
       ratio = costs[t] / default[t] if t in default else float('nan')
       cells.append(f'{costs[t] * 1e3:>9.2f} ({ratio:4.2f}x)')
     print(f'{name:<22}' + ''.join(f'{c:>18}' for c in cells))
-  out = pathlib.Path(FLAGS.output)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({'model': FLAGS.model, 'batch_size': FLAGS.batch_size,
-                             'context': FLAGS.context, 'flag_sets': FLAG_SETS,
-                             'seconds_per_step': best}, indent=2))
-  print(f'wrote {out}')
+  benchmarks.write_json(FLAGS.output, {'model': FLAGS.model, 'batch_size': FLAGS.batch_size,
+                                       'context': FLAGS.context, 'flag_sets': FLAG_SETS,
+                                       'seconds_per_step': best})
 
 
 if __name__ == '__main__':

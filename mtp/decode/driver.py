@@ -312,7 +312,7 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
          request: DecodeRequest) -> LoopState:
   """Runs draft-verify-accept steps until every row is done or `max_steps` steps were taken."""
   base = state_lib.merge(structure, leaves)
-  tree, depth = request.tree, request.depth
+  tree = request.tree
   heads_tree = tree.without_lookup()
   num_verified_layers = base.num_verified_cache_layers
   # Gathered once per call, outside the steps (XLA does not hoist it out of a cond branch).
