@@ -185,6 +185,10 @@ def test_a_client_leaving_mid_stream_frees_its_row(served):
 
 
 def test_metrics_are_prometheus_text(served):
+  # Its own request: under pytest-xdist this test may run before (or without) the others.
+  ok = httpx.post(served[0] + '/v1/completions', json={'prompt': 'x', 'max_tokens': 2},
+                  timeout=60)
+  assert ok.status_code == 200
   text = httpx.get(served[0] + '/metrics').text
   for name in ('mtp_requests_total{endpoint="/v1/completions",code="200"}',
                'mtp_request_errors_total', 'mtp_queue_depth', 'mtp_completion_tokens_total',
