@@ -77,11 +77,11 @@ class LoopState:
     without its lookup chain), 1 the whole block, lookup chain included (only for a tree with
     one, and only when every active row's lookup key is at least `lookup_min_key` long: the
     whole batch pays for the bigger block). Each kind is accounted apart and stops once it
-    stops paying; where neither runs, the loop decodes one
-    token per pass. A stopped kind is tried again, with a fresh account and a probe of one
-    step, once enough steps have passed that a failed retry loses at most half of
-    `request.FALLBACK_BUDGET` of them (the probe has the budget too): acceptance that changes
-    during a generation (a text that starts repeating itself) is followed, at a bounded cost.
+    stops paying; where neither runs, the loop decodes one token per pass. A stopped kind is
+    tried again, with a fresh account and a probe of one step, once enough steps have passed
+    that a failed retry loses at most half of `request.FALLBACK_BUDGET` of them (the probe
+    has the budget too): acceptance that changes during a generation (a text that starts
+    repeating itself) is followed, at a bounded cost.
     pays: [2] bool whether each kind still pays.
     idle: [2] int32 loop steps since each kind stopped (0 while it pays).
     costs: [2] float32 one step of each kind, in one-token steps: its break-even in tokens
