@@ -48,8 +48,12 @@ flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens (0 = all
 flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass in (0, 1] (1 = all).')
 flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 flags.DEFINE_integer('batch_size', 1, 'Prompts decoded together.')
-flags.DEFINE_string('tree', None, 'Speculative candidates: chain (default), default, auto, or '
-                    'Medusa-style choices as JSON, e.g. "[[0], [1], [0, 0]]".')
+flags.DEFINE_string('tree', None, 'Speculative candidates: chain (default), default, auto, '
+                    'dynamic (each step and row verifies the nodes its heads find most probable, '
+                    'EAGLE-2 style), or Medusa-style choices as JSON, e.g. "[[0], [1], [0, 0]]".')
+flags.DEFINE_integer('tree_budget', None, 'Nodes per step of a dynamic tree, root included '
+                     '(--tree is then its superset; with --tree=dynamic, default: sized from '
+                     'the heads\' measured accuracies and this hardware\'s cost curve).')
 flags.DEFINE_integer('lookup', None, 'Drafting decoders, greedy: add a chain of this many '
                      'prompt-lookup drafts (copies of what followed the text\'s last tokens '
                      'before) to the tree. Default: 8 for auto (verified only where they look '
@@ -91,7 +95,7 @@ def read_prompt_file(path: str | pathlib.Path) -> list[str]:
 
 def parse_tree(value: str | None):
   """--tree: None, a name (chain, default, auto) or JSON choices."""
-  return cli.parse_tree(value, ('chain', 'default', 'auto'))
+  return cli.parse_tree(value, ('chain', 'default', 'auto', 'dynamic'))
 
 
 class OutputFile:
@@ -168,7 +172,8 @@ def main(argv):
         loaded, prompts, max_new_tokens=FLAGS.max_new_tokens, decoder=FLAGS.decoder,
         temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
         tree=tree, lookup=FLAGS.lookup, batch_size=FLAGS.batch_size, on_text=printer,
-        steps_per_chunk=FLAGS.steps_per_chunk, draft_vocab=FLAGS.draft_vocab)
+        steps_per_chunk=FLAGS.steps_per_chunk, draft_vocab=FLAGS.draft_vocab,
+        tree_budget=FLAGS.tree_budget)
     lines = ''.join(json.dumps(g.to_json(), ensure_ascii=False) + '\n' for g in generations)
     if output is not None:
       output.commit(lines)

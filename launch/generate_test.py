@@ -90,6 +90,7 @@ def test_malformed_prompt_file_names_the_line(tmp_path):
 def test_tree_flag_parsing():
   assert generate.parse_tree(None) is None
   assert generate.parse_tree('auto') == 'auto'
+  assert generate.parse_tree('dynamic') == 'dynamic'
   assert generate.parse_tree('[[0], [0, 1]]') == [(0,), (0, 1)]
   with pytest.raises(ValueError, match='JSON choices'):
     generate.parse_tree('bushy')

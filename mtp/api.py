@@ -100,7 +100,7 @@ def load(workdir: str | os.PathLike, step: int | None = None,
 # ------------------------------------------------------------------------------------------
 
 DECODERS = decoders.NAMES
-TREES = ('chain', 'default', 'auto')
+TREES = ('chain', 'default', 'auto', 'dynamic')
 _PROMPT_WIDTH_MULTIPLE = 32  # Nearby prompt lengths share a compiled decoder.
 _ACCURACIES_FILE = 'head_accuracies.json'
 
@@ -148,7 +148,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
              lookup: int | None = None, batch_size: int | None = None,
              on_text: TextCallback | None = None,
              steps_per_chunk: int | None = None, special_tokens: bool = False,
-             draft_vocab: int | None = None) -> list[Generation]:
+             draft_vocab: int | None = None, tree_budget: int | None = None
+             ) -> list[Generation]:
   """Completes text prompts with a trained model: the Python twin of `launch.generate`.
 
   Prompts are decoded in batches of `batch_size` in their given order, right-padded to one
@@ -175,8 +176,13 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
       (a 24-node Medusa-style static tree cut to the model's heads), 'auto' (built from the
       heads' top-k accuracies, measured once per checkpoint on the training corpus's
       validation files and cached in the workdir, sized by the measured verification cost
-      curve of this hardware and batch size), Medusa-style choices (rank paths), or a
+      curve of this hardware and batch size), 'dynamic' (a dynamic tree, EAGLE-2 style:
+      each step and row verifies the `tree_budget` nodes its heads' drafts make most
+      probable, out of a 64-node superset), Medusa-style choices (rank paths), or a
       `trees.Tree`.
+    tree_budget: nodes per step of a dynamic tree, root included (`tree` is then its
+      superset; for tree='dynamic', None sizes it as 'auto' sizes a static tree: from the
+      heads' measured accuracies and this hardware's cost curve). Not with lookup drafts.
     lookup: drafting decoders, greedy only: also draft this many tokens by prompt lookup, a
       copy of what followed the latest earlier occurrence of the text's last tokens, as one
       more chain below the tree's root (`trees.with_lookup`). Strong on repetitive text.
@@ -209,7 +215,11 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   spec = decoders.get(decoder)
   batch_size = _checked_batch_size(batch_size, len(texts))
   steps_per_chunk = request_lib.steps_per_chunk(steps_per_chunk, decoder)
+  dynamic = spec.drafts and (tree == 'dynamic' or bool(tree_budget))
   if isinstance(loaded, runtime.LoadedArtifact):
+    if dynamic:
+      raise ValueError('dynamic trees apply to a workdir or params export, not to a jax_export '
+                       'artifact (its programs are fixed)')
     if draft_vocab:
       raise ValueError('draft_vocab applies to a workdir or params export, not to a jax_export '
                        'artifact (its programs are fixed)')
@@ -220,6 +230,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
                               special_tokens=special_tokens)
 
   model, tokenizer = loaded.model, loaded.tokenizer
+  if dynamic and lookup is None:
+    lookup = 0  # A dynamic tree drafts from the heads alone.
   lookup = decoders.default_lookup(decoder, lookup, temperature, model.cfg.mtp_num_heads)
   padded, lengths = state_lib.pad_prompts(_encode(tokenizer, texts, special_tokens),
                                           tokenizer.pad_id, multiple=_PROMPT_WIDTH_MULTIPLE)
@@ -232,13 +244,22 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
                  temperature=temperature, top_k=top_k, top_p=top_p,
                  draft_vocab_size=0 if draft_vocab is None else draft_vocab,
                  **_emittable(tokenizer, model.cfg))
-  if (spec.drafts and isinstance(tree, str) and tree == 'auto') or draft_vocab:
-    # 'auto' measures the heads and the hardware (compiling the model), a draft vocabulary
-    # counts the corpus: check the rest first.
+  if (spec.drafts and isinstance(tree, str) and tree in ('auto', 'dynamic')) or draft_vocab:
+    # 'auto' and 'dynamic' measure the heads and the hardware (compiling the model), a draft
+    # vocabulary counts the corpus: check the rest first.
     request_lib.make_request(model.cfg, padded.shape[1], **options)
-  request = request_lib.make_request(
-      model.cfg, padded.shape[1], tree=_tree(loaded, tree, batch_size) if spec.drafts else tree,
-      **options)
+  if dynamic:
+    superset = None
+    if tree not in (None, 'dynamic'):
+      superset = _tree(loaded, tree, batch_size) or trees_lib.chain_tree(model.cfg.mtp_num_heads)
+    budget = tree_budget or _tree(loaded, 'auto', batch_size).num_nodes
+    request = request_lib.make_request(model.cfg, padded.shape[1], tree=superset,
+                                       tree_budget=budget, **options)
+  else:
+    request = request_lib.make_request(
+        model.cfg, padded.shape[1],
+        tree=_tree(loaded, tree, batch_size) if spec.drafts else tree,
+        tree_budget=tree_budget or 0, **options)
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
   if request.draft_vocab_size:
     special['draft_vocab'] = draft_vocabulary(loaded, request.draft_vocab_size)

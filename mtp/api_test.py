@@ -129,6 +129,9 @@ def test_generate_sampling_is_seeded(workdir):
     (dict(lookup=1000), r'lookup \(--lookup\) must be at most'),
     (dict(lookup=3, temperature=0.7), 'verified greedily only'),
     (dict(lookup=3, decoder='autoregressive'), 'apply to the drafting decoders'),
+    (dict(tree_budget=1), r'tree_budget must be an integer in \[2, '),
+    (dict(tree='dynamic', tree_budget=4, lookup=3), 'drafts from the heads alone'),
+    (dict(decoder='autoregressive', tree_budget=4), 'applies to the drafting decoders only'),
 ])
 def test_generate_rejects_bad_input_before_compiling(workdir, kwargs, match):
   loaded = mtp.load(workdir)
@@ -149,6 +152,11 @@ def test_generate_auto_tree_measures_and_caches_accuracies(workdir, monkeypatch)
   assert (workdir / 'head_accuracies.json').exists()
   acc = mtp.api.head_accuracies(loaded)
   assert acc.shape == (3, 4) and ((acc >= 0) & (acc <= 1)).all()
+  # A dynamic tree sized as 'auto' sizes a static one (the same measurements), and the
+  # default decoder ('auto') stops it where it does not pay: still exact.
+  [dynamic] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree='dynamic')
+  assert dynamic.tokens == ar[0].tokens
+  assert len(dynamic.accepted_histogram) == 3 + 2  # The superset's depth: no lookup chain.
 
 
 @pytest.mark.parametrize('contents', [

@@ -40,12 +40,14 @@ def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
               prompt_width: int, heads_only: bool = False) -> str:
   """Everything that changes the ratio: device, model shape, batch, block, sampling, width."""
   tree = request.tree
-  block = hashlib.sha1(repr((tree.choices, tree.lookup_depth)).encode()).hexdigest()[:10]
+  shape = (tree.choices, tree.lookup_depth) + ((request.tree_budget,) if request.tree_budget
+                                               else ())
+  block = hashlib.sha1(repr(shape).encode()).hexdigest()[:10]
   sampling = ('greedy' if request.greedy else
               f't{request.temperature:g}-k{request.top_k}-p{request.top_p:g}')
   return (f'v{_LOOP_VERSION}|{cost_model.device_kind()}|{cost_model.model_key(model)}'
           f'|B{batch_size}'
-          f'|P{prompt_width}|N{tree.num_nodes}-{block}|{sampling}'
+          f'|P{prompt_width}|N{request.block_size}-{block}|{sampling}'
           f'|new{request.max_new_tokens}|{"rows" if request.row_mapped else "batch"}'
           f'|mesh{request.mesh.shape if request.mesh is not None else None}'
           f'{"|heads" if heads_only else ""}|V{request.draft_vocab_size}')

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp.decode import draft_vocab as draft_vocab_lib
+from mtp.decode import dynamic_trees
 from mtp.decode import lookup as lookup_lib
 from mtp.decode import request as request_lib
 from mtp.decode import row_mapped
@@ -62,6 +63,8 @@ class LoopState:
     done: [B] rows that stopped; they no longer change.
     last_token: [B] the newest token (the next block's root), not yet in the cache.
     drafts: [B, N - 1] the next block's drafted nodes, in tree node order (root excluded).
+    block_nodes: [B, N] a dynamic tree's (`request.tree_budget`): the superset node of each
+      slot of the next block, ascending, root first (`dynamic_trees.select`); [B, 0] else.
     lengths: [B] committed cache slots (= position of last_token).
     num_steps: [B] verification passes that worked on the row.
     histogram: [B, depth + 2] steps per number of tokens emitted.
@@ -99,6 +102,7 @@ class LoopState:
   done: Array
   last_token: Array
   drafts: Array
+  block_nodes: Array
   lengths: Array
   num_steps: Array
   histogram: Array
@@ -123,33 +127,41 @@ class LoopState:
 # ------------------------------------------------------------------------------------------
 
 
-def _drafts(tree: trees_lib.Tree, logits: Array | None, context: Array,
-            lengths: Array, vocab=None) -> tuple[Array, Array]:
-  """Head logits [depth, B, V] (and the lookup chain's copies) -> drafted nodes [B, N - 1].
+def _drafts(request: DecodeRequest, logits: Array | None, context: Array,
+            lengths: Array, vocab=None) -> tuple[Array, Array, Array]:
+  """Head logits [depth, B, V] (and the lookup chain's copies) -> the next block's drafts.
 
   N - 1 drafts in tree order, root excluded; `context` and `lengths` (the position of the newest
   token) feed the lookup chain, if the tree has one. A root-only tree drafts nothing. With a
   draft vocabulary `vocab` (`MTPModel.draft_vocab`, M ids), the logits are [depth, B, M] over
-  its ids.
+  its ids. A dynamic tree (`request.tree_budget` = N) drafts the N nodes of the request's tree
+  that the heads' own probabilities rank first, per row.
 
   Returns:
-    (drafts [B, N - 1], lookup key length [B]: 0 without a lookup chain).
+    (drafts [B, N - 1], lookup key length [B]: 0 without a lookup chain, the block's superset
+    nodes [B, N] of a dynamic tree, else [B, 0]).
   """
+  tree = request.tree
   b = context.shape[0]
-  no_key = jnp.zeros((b,), jnp.int32)
+  no_key, no_nodes = jnp.zeros((b,), jnp.int32), jnp.zeros((b, 0), jnp.int32)
   if tree.num_nodes == 1:
-    return jnp.zeros((b, 0), jnp.int32), no_key
-  if tree.is_chain:
+    return jnp.zeros((b, 0), jnp.int32), no_key, no_nodes
+  if tree.is_chain and not request.tree_budget:
     best = draft_vocab_lib.to_full_ids(jnp.argmax(logits, axis=-1), _ids(vocab))
-    return best.T.astype(jnp.int32), no_key
-  top = jax.lax.top_k(logits, max(tree.topk_per_depth))[1]  # [depth, B, R]
-  top = draft_vocab_lib.to_full_ids(top, _ids(vocab))
+    return best.T.astype(jnp.int32), no_key, no_nodes
+  values, top = jax.lax.top_k(logits, max(tree.topk_per_depth))  # [depth, B, R]
+  top = jnp.transpose(draft_vocab_lib.to_full_ids(top, _ids(vocab)), (1, 0, 2))
   copies, key = None, no_key
   if tree.lookup_depth:
     copies, key = lookup_lib.propose_with_key(context, lengths, tree.lookup_depth)
-  nodes = trees_lib.draft_tokens_for_tree(tree, jnp.transpose(top, (1, 0, 2)),
-                                          lookup_tokens=copies)
-  return nodes[:, 1:].astype(jnp.int32), key
+  nodes = trees_lib.draft_tokens_for_tree(tree, top, lookup_tokens=copies)
+  if not request.tree_budget:
+    return nodes[:, 1:].astype(jnp.int32), key, no_nodes
+  log_probs = values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  chosen = dynamic_trees.select(tree, jnp.transpose(log_probs, (1, 0, 2)),
+                                request.tree_budget)
+  nodes = jnp.take_along_axis(nodes, chosen, axis=1)
+  return nodes[:, 1:].astype(jnp.int32), key, chosen
 
 
 def _compact(cache: kv_cache_lib.KVCache, lengths: Array, path: Array,
@@ -251,9 +263,9 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
       buffer, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
       jnp.ones((b,), jnp.int32), eos_id=eos_id, pad_id=pad_id,
       max_new_tokens=request.max_new_tokens)
-  drafts, lookup_key = _drafts(tree, head_logits, context, lengths, vocab)
+  drafts, lookup_key, block_nodes = _drafts(request, head_logits, context, lengths, vocab)
   return LoopState(tokens=buffer, num_generated=num_generated, done=done | ~active,
-                   last_token=first, drafts=drafts, lengths=lengths,
+                   last_token=first, drafts=drafts, block_nodes=block_nodes, lengths=lengths,
                    num_steps=jnp.zeros((b,), jnp.int32),
                    histogram=jnp.zeros((b, request.depth + 2), jnp.int32), cache=cache,
                    rng=rng, eos_id=eos_id, pad_id=pad_id, context=context,
@@ -269,8 +281,9 @@ def _start(structure, leaves, prompts: Array, lengths: Array, rng: Array, eos_id
 
 
 def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Array,
-            tree: trees_lib.Tree):
-  """One verification pass over `tree` (the request's, or its heads' part) and acceptance.
+            tree: trees_lib.Tree | dynamic_trees.RowTrees):
+  """One verification pass over `tree` (the request's, its heads' part, or every row's own
+  dynamic tree) and acceptance.
 
   Returns:
     nodes: [B, N] the block's tokens; out: the step's StepOutput over the block; cache: with
@@ -278,10 +291,12 @@ def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Arr
     accepted node; num_accepted: [B] accepted drafts; next_token: [B] the trunk's own token.
   """
   nodes = jnp.concatenate([s.last_token[:, None], drafts], axis=1)  # [B, N]
-  positions = s.lengths[:, None] + jnp.asarray(tree.depth)[None, :]
-  mask = None if tree.is_chain else jnp.asarray(tree.attention_mask)
+  chain = isinstance(tree, trees_lib.Tree) and tree.is_chain
+  depth = tree.depth if isinstance(tree, dynamic_trees.RowTrees) else tree.depth[None, :]
+  positions = s.lengths[:, None] + jnp.asarray(depth)
+  mask = None if chain else jnp.asarray(tree.attention_mask)
   out, cache = model.step(nodes, positions, s.cache, s.lengths, block_mask=mask,
-                          with_heads=tree.head_depth > 0)
+                          with_heads=request.tree.head_depth > 0)
   if not request.drafts:  # Nothing to accept: the trunk's own token, as one-token decoding.
     next_token = _sample(key, _logits(model, out.normed[:, 0], request), request)
     zeros = jnp.zeros_like(s.lengths)
@@ -290,7 +305,7 @@ def _verify(model, s: LoopState, drafts: Array, request: DecodeRequest, key: Arr
   if not request.greedy:
     probs = sampling_lib.target_probs(logits, request.temperature, request.top_k,
                                       request.top_p)
-  if tree.is_chain:
+  if chain:
     if request.greedy:
       num_accepted, next_token = sampling_lib.greedy_accept_chain(drafts, logits)
     else:
@@ -323,17 +338,22 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     return (i < max_steps) & ~jnp.all(s.done)
 
   def draft_step(s: LoopState, block: trees_lib.Tree = tree, kind: int = 1) -> LoopState:
-    """Verifies `block` (the request's tree, or its heads' part: its first nodes) and drafts
-    the request's whole tree for the next step. `kind` is the `LoopState.pays` entry."""
+    """Verifies `block` (the request's tree, or its heads' part: its first nodes; a dynamic
+    tree: each row's chosen nodes of it) and drafts the request's whole tree for the next
+    step. `kind` is the `LoopState.pays` entry."""
     # Greedy decoding draws nothing: skip the split (a small loop of its own on CPU).
     rng, key = (s.rng, s.rng) if request.greedy else tuple(jax.random.split(s.rng))
     model = _model(base, request, ~s.done)
     drafts = s.drafts
     if request.draft_hook is not None:
       drafts = request.draft_hook(drafts, s.num_generated, hook_data).astype(jnp.int32)
-    drafts = drafts[:, :block.num_nodes - 1]
+    verified = block
+    if request.tree_budget:
+      verified = dynamic_trees.row_trees(block, s.block_nodes)
+    else:
+      drafts = drafts[:, :block.num_nodes - 1]
     nodes, out, cache, path, num_accepted, next_token = _verify(model, s, drafts, request, key,
-                                                                block)
+                                                                verified)
     path_tokens = jnp.take_along_axis(nodes, path, axis=1)  # [B, depth + 1], root first.
     # Emitted in order: the accepted drafts, then the trunk's own token.
     shifted = jnp.concatenate([path_tokens[:, 1:], next_token[:, None]], axis=1)
@@ -343,7 +363,8 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
         s.tokens, s.num_generated, s.done, emitted, num_accepted + 1, eos_id=s.eos_id,
         pad_id=s.pad_id, max_new_tokens=request.max_new_tokens)
 
-    if not block.is_chain:  # A chain's accepted prefix already sits at lengths .. lengths + n.
+    if request.tree_budget or not block.is_chain:
+      # A chain's accepted prefix already sits at lengths .. lengths + n.
       cache = _compact(cache, s.lengths, path, num_verified_layers)
     # The accepted path is contiguous in the cache now (slots lengths ..): draft from it.
     features = jax.tree.map(lambda f: jnp.take_along_axis(
@@ -356,12 +377,13 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
     context = s.context
     if tree.lookup_depth:  # Emitted tokens sit at positions s.lengths + 1 .. lengths.
       context = kv_cache_lib.write_rows(context, emitted, s.lengths + 1)
-    new_drafts, lookup_key = _drafts(tree, head_logits, context, lengths, vocab)
+    new_drafts, lookup_key, block_nodes = _drafts(request, head_logits, context, lengths,
+                                                  vocab)
 
     active = ~s.done
     return _advance(s, active, buffer, num_generated, done, kept, next_token, lengths,
                     cache, rng, kind=kind, drafts=new_drafts, context=context,
-                    lookup_key=lookup_key)
+                    lookup_key=lookup_key, block_nodes=block_nodes)
 
   def one_token_step(s: LoopState) -> LoopState:
     """Autoregressive decoding inside a drafting loop, where drafting stopped paying: the
@@ -383,7 +405,8 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
       copies, lookup_key = lookup_lib.propose_with_key(context, lengths, tree.lookup_depth)
       drafts = drafts.at[:, -tree.lookup_depth:].set(copies)
     return _advance(s, active, buffer, num_generated, done, kept, next_token, lengths, cache,
-                    rng, kind=None, drafts=drafts, context=context, lookup_key=lookup_key)
+                    rng, kind=None, drafts=drafts, context=context, lookup_key=lookup_key,
+                    block_nodes=s.block_nodes)
 
   def judge(s: LoopState) -> LoopState:
     """Whether each kind of drafting step keeps up with its break-even, in tokens per step so
@@ -432,7 +455,8 @@ def _run(structure, leaves, state: LoopState, max_steps: Array, hook_data,
 
 def _advance(s: LoopState, active: Array, buffer: Array, num_generated: Array, done: Array,
              kept: Array, next_token: Array, lengths: Array, cache, rng: Array, *,
-             kind: int | None, drafts: Array, context: Array, lookup_key: Array) -> LoopState:
+             kind: int | None, drafts: Array, context: Array, lookup_key: Array,
+             block_nodes: Array) -> LoopState:
   """The state after one step of kind `kind` (None: a one-token step): active rows move on,
   finished ones keep their state."""
   histogram = s.histogram + (
@@ -445,6 +469,7 @@ def _advance(s: LoopState, active: Array, buffer: Array, num_generated: Array, d
       tokens=buffer, num_generated=num_generated, done=done,
       last_token=jnp.where(active, next_token, s.last_token),
       drafts=jnp.where(active[:, None], drafts, s.drafts),
+      block_nodes=jnp.where(active[:, None], block_nodes, s.block_nodes),
       lengths=jnp.where(active, lengths, s.lengths),
       num_steps=s.num_steps + active, histogram=histogram, cache=cache, rng=rng,
       context=jnp.where(active[:, None], context, s.context),

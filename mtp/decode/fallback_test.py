@@ -264,3 +264,21 @@ def test_a_stopped_kind_is_tried_again_within_the_budget(model, prompts):
 def test_a_retry_probes_one_step_whatever_the_first_probe(model, prompts):
   np.testing.assert_array_equal(
       _oracle_chain_of_one(model, prompts, 100, break_even=2.2, probe_steps=3), 3 + 1)
+
+
+def test_a_dynamic_tree_falls_back_exactly(model, prompts, reference):
+  """'auto' with a dynamic tree: one kind of drafting step (the tree), stopped after the probe
+  when it cannot reach its break-even, or kept at break-even 0; exact both ways."""
+  request = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=MAX_NEW,
+                                     decoder='auto', tree_budget=5)
+  states = {}
+  for break_even in (0.0, DEPTH + 2.0):  # DEPTH + 1 tokens a step at best: never reached.
+    prepared, state = driver._begin(model, prompts, PROMPT_LENGTHS, request, 0, None, 0,
+                                    break_even=break_even, probe_steps=2)
+    states[break_even] = state = driver._run(prepared.structure, prepared.leaves, state,
+                                             jnp.int32(10 ** 6), None, request)
+    np.testing.assert_array_equal(driver.result(state, MAX_NEW).tokens, reference.tokens)
+  kept, stopped = states[0.0], states[DEPTH + 2.0]
+  np.testing.assert_array_equal(kept.block_steps[:, 0], kept.num_steps)
+  assert np.all(np.asarray(stopped.block_steps[:, 0]) <= 2 + 2)  # The probe and a retry or two.
+  assert np.all(np.asarray(stopped.num_steps) >= MAX_NEW - 1 - 4 * (DEPTH + 1))

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from mtp.decode import decoders
+from mtp.decode import dynamic_trees
 from mtp.decode import sampling as sampling_lib
 from mtp.decode import trees as trees_lib
 
@@ -67,6 +68,9 @@ class DecodeRequest:
     draft_vocab_size: N > 0: the heads draft over a draft vocabulary of N ids (FR-Spec,
       `draft_vocab.py`), which the decode call passes as a traced [N] array (a new vocabulary
       of the same size compiles nothing); 0: over the whole vocabulary.
+    tree_budget: N > 0: a dynamic tree (`dynamic_trees.py`): every step, each row verifies
+      the N nodes of `tree` (then a superset, heads' drafts only) that the heads' drafts make
+      most probable; 0: `tree` itself, every step.
   """
   max_new_tokens: int
   capacity: int
@@ -81,6 +85,12 @@ class DecodeRequest:
   row_mapped: bool = False
   fallback: bool = False
   draft_vocab_size: int = 0
+  tree_budget: int = 0
+
+  @property
+  def block_size(self) -> int:
+    """Tokens one drafting step verifies, root included."""
+    return self.tree_budget or self.tree.num_nodes
 
   @property
   def masks_vocab(self) -> bool:
@@ -107,7 +117,7 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
                  cache_capacity: int | None = None, draft_hook: DraftHook | None = None,
                  mesh: jax.sharding.Mesh | None = None, vocab_limit: int | None = None,
                  banned_ids: Sequence[int] = (), row_mapped: bool = False,
-                 draft_vocab_size: int = 0) -> DecodeRequest:
+                 draft_vocab_size: int = 0, tree_budget: int = 0) -> DecodeRequest:
   """Checks a user's decode options and returns the request they describe.
 
   Args:
@@ -129,6 +139,9 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
     row_mapped: batch-invariant decoding, row by row (`DecodeRequest.row_mapped`).
     draft_vocab_size: drafting decoders with heads: the heads draft over a draft vocabulary of
       this many ids (`DecodeRequest.draft_vocab_size`); 0: over the whole vocabulary.
+    tree_budget: drafting decoders with heads: verify a dynamic tree of this many nodes per
+      step (root included), chosen each step from `tree` (None: `dynamic_trees.
+      default_superset`); 0: the static `tree`. Not with lookup drafts.
 
   Raises:
     ValueError naming the bad option.
@@ -143,7 +156,9 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
   if lookup > longest_lookup:
     raise ValueError(f'lookup (--lookup) must be at most {longest_lookup} drafts, got {lookup}')
   vocab_limit, banned_ids = _check_vocab_mask(vocab_limit, banned_ids, trunk.vocab_size)
-  if spec.adaptive and model_cfg.mtp_num_heads == 0 and tree is None and not lookup:
+  if tree_budget:
+    candidates = _dynamic_superset(model_cfg.mtp_num_heads, tree, lookup, tree_budget, spec)
+  elif spec.adaptive and model_cfg.mtp_num_heads == 0 and tree is None and not lookup:
     candidates = trees_lib.chain_tree(0)  # Nothing drafts: 'auto' is autoregressive.
   elif spec.drafts:
     candidates = resolve_tree(model_cfg.mtp_num_heads, tree, int(lookup))
@@ -163,12 +178,33 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
                                              decoder)
   return DecodeRequest(
       max_new_tokens=int(max_new_tokens),
-      capacity=_capacity(prompt_width, int(max_new_tokens), candidates.num_nodes,
-                         cache_capacity),
+      capacity=_capacity(prompt_width, int(max_new_tokens),
+                         int(tree_budget) or candidates.num_nodes, cache_capacity),
       tree=candidates, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
       draft_hook=draft_hook, mesh=mesh, vocab_limit=vocab_limit, banned_ids=banned_ids,
       row_mapped=bool(row_mapped),
-      fallback=spec.adaptive and candidates.num_nodes > 1, draft_vocab_size=draft_vocab_size)
+      fallback=spec.adaptive and candidates.num_nodes > 1, draft_vocab_size=draft_vocab_size,
+      tree_budget=int(tree_budget))
+
+
+def _dynamic_superset(num_heads: int, tree: TreeChoice, lookup, budget,
+                      spec: decoders.Decoder) -> trees_lib.Tree:
+  """The superset a dynamic tree of `budget` nodes chooses from, checked."""
+  if not spec.drafts:
+    raise ValueError(f'tree_budget (a dynamic tree) applies to the drafting decoders only, not '
+                     f'to {spec.name!r}')
+  if lookup:
+    raise ValueError('a dynamic tree (tree_budget) drafts from the heads alone: give lookup=0 '
+                     f'or a static tree, got lookup={lookup}')
+  if tree is None:
+    if num_heads == 0:
+      raise ValueError('a dynamic tree (tree_budget) needs a model with MTP heads: this model '
+                       'has mtp_num_heads=0')
+    superset = dynamic_trees.default_superset(num_heads)
+  else:
+    superset = resolve_tree(num_heads, tree)
+  dynamic_trees.check_superset(superset, budget)
+  return superset
 
 
 def _check_draft_vocab_size(size, tree: trees_lib.Tree, vocab_size: int, decoder: str) -> int:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.decode import dynamic_trees
 from mtp.decode import trees as trees_lib
 from mtp.model import kv_cache as kv_cache_lib
 
@@ -288,7 +289,7 @@ def rejection_accept_chain(rng: jax.Array, draft: jnp.ndarray, draft_probs: jnp.
 
 
 def greedy_accept_tree(
-    tree: trees_lib.Tree, node_tokens: jnp.ndarray,
+    tree: trees_lib.Tree | dynamic_trees.RowTrees, node_tokens: jnp.ndarray,
     target_logits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
   """Greedy verification of a candidate tree.
 
@@ -297,7 +298,7 @@ def greedy_accept_tree(
   tokens; otherwise the lowest node index among the deepest).
 
   Args:
-    tree: static candidate tree with N nodes.
+    tree: static candidate tree with N nodes, or every row's own (`dynamic_trees.RowTrees`).
     node_tokens: [B, N] int; node 0 is not checked.
     target_logits: [B, N, V]; target_logits[:, n] predicts the child of node n.
 
@@ -307,27 +308,28 @@ def greedy_accept_tree(
     num_accepted: [B] int32 accepted drafts, root excluded (= depth of the last node).
     next_token: [B] int32 argmax at the last accepted node.
   """
-  parent = np.maximum(tree.parent, 0)  # The root's own entry is overridden below.
+  rows = dynamic_trees.as_rows(tree, node_tokens.shape[0])
+  parent = jnp.maximum(rows.parent, 0)  # The root's own entry is overridden below.
   target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
-  match = node_tokens.astype(jnp.int32) == target[:, parent]
+  match = node_tokens.astype(jnp.int32) == jnp.take_along_axis(target, parent, axis=1)
   match = match.at[:, 0].set(True)
   accepted = match
-  for _ in range(tree.max_depth):  # Acceptance flows one level down per pass.
-    accepted = match & accepted[:, parent]
-  depth = jnp.asarray(tree.depth)
-  best = jnp.argmax(jnp.where(accepted, depth, -1), axis=1).astype(jnp.int32)
-  return _tree_result(tree, best, jnp.take_along_axis(target, best[:, None], axis=1)[:, 0])
+  for _ in range(rows.max_depth):  # Acceptance flows one level down per pass.
+    accepted = match & jnp.take_along_axis(accepted, parent, axis=1)
+  best = jnp.argmax(jnp.where(accepted, rows.depth, -1), axis=1).astype(jnp.int32)
+  return _tree_result(rows, best, jnp.take_along_axis(target, best[:, None], axis=1)[:, 0])
 
 
-def _tree_result(tree, node, next_token):
+def _tree_result(rows: dynamic_trees.RowTrees, node, next_token):
   """(root-first path padded with -1, depth, next_token) of the last accepted node [B]."""
-  path = jnp.asarray(tree.node_paths)[node]
-  num_accepted = jnp.asarray(tree.depth)[node]
+  path = kv_cache_lib.gather_rows(rows.node_paths, node)
+  num_accepted = kv_cache_lib.gather_rows(rows.depth, node)
   return path, num_accepted, next_token
 
 
 def rejection_accept_tree(
-    rng: jax.Array, tree: trees_lib.Tree, node_tokens: jnp.ndarray, target_probs: jnp.ndarray,
+    rng: jax.Array, tree: trees_lib.Tree | dynamic_trees.RowTrees, node_tokens: jnp.ndarray,
+    target_probs: jnp.ndarray,
     draft_probs: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
   """Multi-candidate speculative rejection sampling on a tree; exact in distribution.
 
@@ -340,10 +342,12 @@ def rejection_accept_tree(
   or else a draw from the residual; trying the next (independently drafted) child is itself
   speculative sampling of that residual, so by induction the emitted token is ~ p at each node.
   With deterministic drafts q_c = one-hot(x_c): accept x_c w.p. p(x_c), else zero it, renormalise.
+  The tree's shape may depend on the drafts (a dynamic tree): it fixes which candidates are
+  tried, never how the target's draws fall, so the argument holds node by node.
 
   Args:
     rng: PRNG key.
-    tree: static candidate tree with N nodes.
+    tree: static candidate tree with N nodes, or every row's own (`dynamic_trees.RowTrees`).
     node_tokens: [B, N] int; node 0 is not checked.
     target_probs: [B, N, V] p; target_probs[:, n] is the distribution of n's child.
     draft_probs: [B, N, V] q; draft_probs[:, c] is the distribution child c's token was drawn
@@ -355,21 +359,21 @@ def rejection_accept_tree(
     next_token: [B] int32.
   """
   b, _, v = target_probs.shape
+  rows = dynamic_trees.as_rows(tree, b)
   key_u, key_s = jax.random.split(rng)
   p_all = target_probs.astype(jnp.float32)
   q_all = None if draft_probs is None else draft_probs.astype(jnp.float32)
-  children = jnp.asarray(tree.children)
-  num_children = jnp.asarray(tree.num_children)
   node_tokens = node_tokens.astype(jnp.int32)
-  num_tries = _max_tries(tree)
+  num_tries = rows.max_tries
   u = jax.random.uniform(key_u, (max(num_tries, 1), b))
   vocab = jnp.arange(v)
+  batch = jnp.arange(b)
 
   # One child test per iteration and row; a rolled loop keeps compile time flat in tree size.
   def body(i, state):
     cur, slot, p = state
-    has_child = slot < num_children[cur]  # False once a row has stopped.
-    c = jnp.maximum(children[cur, jnp.minimum(slot, tree.max_children - 1)], 0)
+    has_child = slot < rows.num_children[batch, cur]  # False once a row has stopped.
+    c = jnp.maximum(rows.children[batch, cur, jnp.minimum(slot, rows.max_children - 1)], 0)
     x = jnp.take_along_axis(node_tokens, c[:, None], axis=1)[:, 0]
     p_x = _gather_last(p, x)
     if q_all is None:
@@ -392,13 +396,4 @@ def rejection_accept_tree(
     cur, _, p = jax.lax.fori_loop(0, num_tries, body, state)
   else:
     p = state[2]
-  return _tree_result(tree, cur, _sample_from_probs(key_s, p))
-
-
-def _max_tries(tree: trees_lib.Tree) -> int:
-  """Most child tests any walk can make: tests to reach a node plus all of its children."""
-  to_reach = np.zeros(tree.num_nodes, np.int64)
-  for n in range(1, tree.num_nodes):  # Parents precede children.
-    position = int(np.nonzero(tree.children[tree.parent[n]] == n)[0][0])
-    to_reach[n] = to_reach[tree.parent[n]] + position + 1
-  return int(np.max(to_reach + tree.num_children))
+  return _tree_result(rows, cur, _sample_from_probs(key_s, p))

@@ -29,14 +29,15 @@ def mesh():
   return mesh_lib.make_mesh(dict(data=2, fsdp=2, tensor=2))
 
 
-@pytest.mark.parametrize('head_type,tree', [('medusa', TREE), ('parallel', None)],
-                         ids=['medusa-tree', 'parallel-chain'])
-def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree):
+@pytest.mark.parametrize('head_type,tree,budget', [
+    ('medusa', TREE, 0), ('parallel', None, 0), ('sequential', TREE, 4)],
+    ids=['medusa-tree', 'parallel-chain', 'sequential-dynamic-tree'])
+def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree, budget):
   # Two KV heads and 64 ids: 'tensor' divides both.
   model = testing.tiny_model(0, head_type=head_type, vocab_size=64)
   prompts = testing.random_tokens((4, 7), 64, seed=1)
   expected = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
-                                  tree=tree)
+                                  tree=tree, tree_budget=budget)
 
   state = nnx.state(model)
   nnx.update(model, jax.device_put(state, mesh_lib.state_shardings(state, mesh)))
@@ -45,7 +46,7 @@ def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree):
   assert sharded_leaves, 'no parameter is sharded: the test would prove nothing'
 
   out = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=tree,
-                             mesh=mesh)
+                             tree_budget=budget, mesh=mesh)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_steps, expected.num_steps)
   np.testing.assert_array_equal(out.accepted_histogram, expected.accepted_histogram)

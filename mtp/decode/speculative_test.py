@@ -193,6 +193,42 @@ def test_lookup_drafts_are_exact_and_catch_repetitions(models, ar_model, prompts
                          lookup=2, temperature=0.5)
 
 
+@pytest.mark.parametrize('head_type', HEAD_TYPES)
+def test_dynamic_trees_are_exact(models, prompts, reference, head_type):
+  """Every row verifies its own tree each step (`tree_budget`), and the output is still
+  autoregressive decoding's. A budget of the whole superset selects every node in order: the
+  static tree's decoding step for step, which lets the oracle and ragged hooks (written for a
+  static tree) drive the dynamic path through deep and ragged acceptance."""
+  model = models[head_type]
+  ref = np.asarray(reference.tokens)
+  hook = ReferenceDrafts(TREE, 61)
+  for budget in (3, 6):
+    out = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                               tree=TREE, tree_budget=budget)
+    np.testing.assert_array_equal(out.tokens, ref)
+    _check_statistics(out, TREE.max_depth)
+  for mode in (MODEL_DRAFTS, ORACLE, np.array([RAGGED, RAGGED, MODEL_DRAFTS])):
+    static, dynamic = (
+        speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=TREE,
+                             draft_hook=hook, hook_data=_hook_data(ref, mode), **budget)
+        for budget in ({}, dict(tree_budget=TREE.num_nodes)))
+    np.testing.assert_array_equal(dynamic.tokens, ref)
+    np.testing.assert_array_equal(dynamic.num_steps, static.num_steps)
+    np.testing.assert_array_equal(dynamic.accepted_histogram, static.accepted_histogram)
+  assert np.all(np.asarray(dynamic.mean_accepted[:2]) > 1.3)  # The ragged rows.
+
+
+def test_dynamic_trees_stay_exact_where_drafts_pass(small_model):
+  """Zero-initialised heads draft the sharpened trunk's argmax: many drafts pass, and greedy
+  output stays exact. (Their probabilities are flat, so these trees are wide: a dynamic tree
+  is as good as its heads' calibration.)"""
+  prompts = testing.random_tokens((16, 4), VOCAB, seed=3)
+  expected = autoregressive.generate(small_model, prompts, max_new_tokens=24)
+  out = speculative.generate(small_model, prompts, max_new_tokens=24, tree_budget=4)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  assert np.asarray(out.accepted_histogram)[:, 2:].sum() > np.asarray(out.num_steps).sum() / 2
+
+
 def test_no_recompilation_and_chunks(models, prompts, reference):
   model = models['medusa']
   speculative.generate(model, prompts[1:2, :3], max_new_tokens=MAX_NEW)
@@ -282,6 +318,14 @@ def test_sampled_generations_follow_the_target_distribution(sampled):
   assert np.asarray(sp.accepted_histogram)[:, 2:].sum() > ROWS // 10
 
 
+def test_sampling_with_dynamic_trees_follows_the_target_distribution(sampled):
+  model, prompts, exact = sampled
+  sp = speculative.generate(model, prompts, max_new_tokens=NEW, rng=3, tree_budget=4,
+                            **SAMPLING)
+  assert _chisquare_p(np.asarray(sp.tokens), exact) > 1e-3
+  assert np.asarray(sp.accepted_histogram)[:, 2:].sum() > ROWS // 10
+
+
 def test_negative_control_a_wrong_residual_is_caught(sampled, monkeypatch):
   model, prompts, exact = sampled
 
@@ -314,6 +358,9 @@ def test_negative_control_a_wrong_residual_is_caught(sampled, monkeypatch):
     (dict(top_p=1.01), r'top_p must be in \(0, 1\]'),
     (dict(cache_capacity=14), 'cache_capacity 14 is too small'),
     (dict(hook_data={}), 'hook_data is given without a draft_hook'),
+    (dict(tree_budget=1), r'tree_budget must be an integer in \[2, 64\]'),
+    (dict(tree=TREE, tree_budget=10), r'tree_budget must be an integer in \[2, 9\]'),
+    (dict(tree_budget=4, lookup=2), 'drafts from the heads alone'),
 ])
 def test_bad_input_is_named_before_compiling(models, prompts, change, message):
   kwargs = {**dict(prompt_lengths=PROMPT_LENGTHS, max_new_tokens=4), **change}

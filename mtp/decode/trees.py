@@ -232,10 +232,10 @@ def chain_tree(k: int) -> Tree:
 
 
 # 24 nodes (root included), depth 4, top-5 at head 1. Built by `tree_from_accuracies(
-# _MEDUSA_DEFAULT_ACCURACIES, 24)` (a test checks it) from a typical profile of heads' top-k
+# TYPICAL_HEAD_ACCURACIES, 24)` (a test checks it) from a typical profile of heads' top-k
 # accuracies, each given that the earlier drafts were right. On a memory-bound accelerator a
 # 24-token verification costs little more than one token; on CPU prefer `choose_tree_size`.
-_MEDUSA_DEFAULT_ACCURACIES = (
+TYPICAL_HEAD_ACCURACIES = (
     (0.65, 0.12, 0.05, 0.03, 0.02),
     (0.60, 0.12, 0.05, 0.03, 0.02),
     (0.55, 0.11, 0.05, 0.03, 0.02),

@@ -117,7 +117,7 @@ def test_medusa_default_tree():
   t = trees.medusa_default_tree()
   assert t.num_nodes == 24 and t.max_depth == 4
   # The literal list is what the documented construction gives.
-  assert t == trees.tree_from_accuracies(trees._MEDUSA_DEFAULT_ACCURACIES, 24)
+  assert t == trees.tree_from_accuracies(trees.TYPICAL_HEAD_ACCURACIES, 24)
   t3 = trees.medusa_default_tree(num_heads=3)
   assert t3.max_depth == 3 and t3.num_nodes < 24
   assert trees.medusa_default_tree(num_heads=1).choices == ((0,), (1,), (2,), (3,), (4,))
