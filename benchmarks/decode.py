@@ -12,8 +12,8 @@ packages the model never saw, cut at a line boundary):
   * for batch sizes 1 and 8 and each decoder (autoregressive; 'auto', the default, which
     drafts a chain plus lookup drafts where the text repeats, each kind of drafting step
     stopping where it does not pay, and 'auto' without lookup; speculative with a chain of all
-    heads, the static default tree, and a tree built from the accuracies with its size chosen
-    from that batch size's cost curve): mean accepted tokens per loop step, tokens/s and the
+    heads, the static default tree, a tree built from the accuracies with its size chosen
+    from that batch size's cost curve, and a dynamic tree of that many nodes): mean accepted tokens per loop step, tokens/s and the
     speedup over autoregressive decoding. Decoders take turns within each repeat, so machine
     load hits them alike; figures are medians over repeats. Compilation is excluded
     (`mtp.generate` warms up first).
@@ -95,7 +95,8 @@ def measure_workdir(workdir: str) -> dict:
         f'{t}: {c:.2f}' for t, c in cost[b]['relative'].items()), flush=True)
 
   default_tree = trees.medusa_default_tree(num_heads)
-  # name: (decoder, tree, lookup); lookup None: the decoder's default ('auto': 8 greedy).
+  # name: (decoder, tree, lookup[, tree_budget]); lookup None: the decoder's default ('auto':
+  # 8 greedy).
   decoders = {b: {'autoregressive': ('autoregressive', None, None),
                   f'auto (chain of {num_heads} + lookup)': ('auto', None, None),
                   f'auto heads only (chain of {num_heads})': ('auto', None, 0),
@@ -107,6 +108,8 @@ def measure_workdir(workdir: str) -> dict:
     auto_trees[b] = cost_model.choose_tree(model, accuracies, cost=cost[b]['relative'])
     decoders[b][f'accuracy tree ({auto_trees[b].num_nodes})'] = (
         'speculative', auto_trees[b], None)
+    budget = auto_trees[b].num_nodes
+    decoders[b][f'dynamic tree ({budget} of 64)'] = ('speculative', 'dynamic', 0, budget)
     if FLAGS.lookup:
       decoders[b][f'accuracy tree + lookup ({auto_trees[b].num_nodes} + {FLAGS.lookup})'] = (
           'speculative', trees.with_lookup(auto_trees[b], FLAGS.lookup), None)
@@ -114,9 +117,10 @@ def measure_workdir(workdir: str) -> dict:
   runs = {b: {name: [] for name in decoders[b]} for b in batch_sizes}
   for repeat in range(FLAGS.repeats):
     for b in batch_sizes:
-      for name, (decoder, tree, lookup) in decoders[b].items():
+      for name, (decoder, tree, lookup, *budget) in decoders[b].items():
         generations = mtp.generate(loaded, prompts, max_new_tokens=FLAGS.max_new_tokens,
-                                   decoder=decoder, tree=tree, lookup=lookup, batch_size=b)
+                                   decoder=decoder, tree=tree, lookup=lookup, batch_size=b,
+                                   tree_budget=budget[0] if budget else None)
         runs[b][name].append(generations)
         print(f'  repeat {repeat + 1}/{FLAGS.repeats} batch {b} {name}: '
               f'{_tokens_per_sec(generations, b):.1f} tokens/s', flush=True)
@@ -124,7 +128,7 @@ def measure_workdir(workdir: str) -> dict:
   rows = []
   for b in batch_sizes:
     reference = runs[b]['autoregressive']
-    for name, (decoder, tree, lookup) in decoders[b].items():
+    for name, (decoder, tree, lookup, *budget) in decoders[b].items():
       gens = runs[b][name]
       tps = [_tokens_per_sec(g, b) for g in gens]
       speedups = [_tokens_per_sec(g, b) / _tokens_per_sec(r, b) for g, r in zip(gens, reference)]
@@ -135,10 +139,14 @@ def measure_workdir(workdir: str) -> dict:
                  speedup=statistics.median(speedups), mean_accepted=emitted / max(steps, 1),
                  outputs_match=mismatches == 0, mismatched_prompts=mismatches,
                  tokens_per_sec_runs=tps)
-      if tree is not None:
+      if budget:
+        row['tree_nodes'] = budget[0]
+        row['verify_cost'] = float(np.interp(budget[0], list(cost[b]['relative']),
+                                             list(cost[b]['relative'].values())))
+      elif tree is not None:
         row['tree_nodes'] = tree.num_nodes
         row['tree_choices'] = [list(c) for c in tree.choices]
-      if decoder != 'autoregressive':
+      if decoder != 'autoregressive' and not budget:
         tree_used = tree or trees.chain_tree(num_heads)
         if decoder == 'auto' and lookup is None:  # Its default lookup chain, on demand.
           tree_used = trees.with_lookup(tree_used, 8)

@@ -102,6 +102,7 @@ def load(workdir: str | os.PathLike, step: int | None = None,
 DECODERS = decoders.NAMES
 TREES = ('chain', 'default', 'auto', 'dynamic')
 _PROMPT_WIDTH_MULTIPLE = 32  # Nearby prompt lengths share a compiled decoder.
+_DYNAMIC_SUPERSET = 64  # Nodes a dynamic tree chooses from (tree='dynamic').
 _ACCURACIES_FILE = 'head_accuracies.json'
 
 
@@ -178,10 +179,10 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
       validation files and cached in the workdir, sized by the measured verification cost
       curve of this hardware and batch size), 'dynamic' (a dynamic tree, EAGLE-2 style:
       each step and row verifies the `tree_budget` nodes its heads' drafts make most
-      probable, out of a 64-node superset), Medusa-style choices (rank paths), or a
+      probable, out of the best 64-node tree for the heads' measured accuracies), Medusa-style choices (rank paths), or a
       `trees.Tree`.
     tree_budget: nodes per step of a dynamic tree, root included (`tree` is then its
-      superset; for tree='dynamic', None sizes it as 'auto' sizes a static tree: from the
+      superset, None a 64-node default; for tree='dynamic', None sizes it as 'auto' sizes a static tree: from the
       heads' measured accuracies and this hardware's cost curve). Not with lookup drafts.
     lookup: drafting decoders, greedy only: also draft this many tokens by prompt lookup, a
       copy of what followed the latest earlier occurrence of the text's last tokens, as one
@@ -249,8 +250,14 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     # vocabulary counts the corpus: check the rest first.
     request_lib.make_request(model.cfg, padded.shape[1], **options)
   if dynamic:
-    superset = None
-    if tree not in (None, 'dynamic'):
+    if tree == 'dynamic':  # The superset and its budget from the heads' measured accuracies.
+      accuracies = head_accuracies(loaded)[:model.cfg.mtp_num_heads]
+      superset = trees_lib.tree_from_accuracies(accuracies, min(
+          _DYNAMIC_SUPERSET, sum(accuracies.shape[1] ** d
+                                 for d in range(1, accuracies.shape[0] + 1)) + 1))
+    elif tree is None:
+      superset = None
+    else:
       superset = _tree(loaded, tree, batch_size) or trees_lib.chain_tree(model.cfg.mtp_num_heads)
     budget = tree_budget or _tree(loaded, 'auto', batch_size).num_nodes
     request = request_lib.make_request(model.cfg, padded.shape[1], tree=superset,

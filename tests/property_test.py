@@ -146,9 +146,15 @@ def _driver_request(draw):
   if decoder == 'autoregressive':
     tree = pick('tree', [None], _TREES[1:], 8)
     lookup = pick('lookup', [0], [1, 4], 8)
+    tree_budget = pick('tree_budget', [0], [2], 6)
   else:
     tree = pick('tree', _TREES, _BAD_TREES)
     lookup = pick('lookup', [0, 0, 4], [-1, 65, 100_000, True, 2.0, None])
+    # 2 nodes fit every tree; a dynamic tree takes no lookup chain.
+    tree_budget = pick('tree_budget', [0, 0, 0, 2, 3 if tree is None else 2],
+                       [1, -1, 100, True, 2.5, '3'], 8)
+    if tree_budget and lookup and not {'tree_budget', 'lookup'} & set(bad):
+      bad['tree_budget_with_lookup'] = tree_budget
   greedy = draw(st.integers(0, 2)) > 0
   if greedy:
     temperature = pick('temperature', [0, 0.0],
@@ -161,7 +167,8 @@ def _driver_request(draw):
     if lookup and 'lookup' not in bad:
       bad['lookup_with_sampling'] = lookup
   eos_id = pick('eos_id', [None, 7], [-1, VOCAB, VOCAB + 100], 6)
-  options = dict(tree=tree, lookup=lookup, temperature=temperature, top_k=top_k, top_p=top_p)
+  options = dict(tree=tree, lookup=lookup, temperature=temperature, top_k=top_k, top_p=top_p,
+                 tree_budget=tree_budget)
   return dict(prompts=np.asarray(rows, np.int64), lengths=np.asarray(lengths),
               max_new_tokens=max_new_tokens, decoder=decoder, eos_id=eos_id,
               options=options, bad=bad)
@@ -186,7 +193,8 @@ def _driver_example(bad: dict, **changes):
   """A fixed example: valid settings but `changes` (the bad ones named in `bad`)."""
   request = dict(prompts=np.arange(16).reshape(2, WIDTH), lengths=np.asarray([WIDTH, 3]),
                  max_new_tokens=5, decoder='speculative', eos_id=None,
-                 options=dict(tree=None, lookup=0, temperature=0.0, top_k=0, top_p=1.0))
+                 options=dict(tree=None, lookup=0, temperature=0.0, top_k=0, top_p=1.0,
+                              tree_budget=0))
   options = {k: changes.pop(k) for k in list(changes) if k in request['options']}
   request.update(changes, bad=bad)
   request['options'].update(options)
@@ -195,6 +203,8 @@ def _driver_example(bad: dict, **changes):
 
 # The issue's cases (issue 10: items 3, 4, 9 and 11), always run besides the drawn examples.
 @_driver_example({'lookup': 100_000}, lookup=100_000)
+@_driver_example({}, tree_budget=3, eos_id=7)
+@_driver_example({'tree_budget_with_lookup': 3}, tree_budget=3, lookup=4)
 @_driver_example({'lookup': 300}, lookup=300, decoder='autoregressive')
 @_driver_example({'tree': [[0], [99999999999]]}, tree=[[0], [99999999999]])
 @_driver_example({'tree': [[0.5]]}, tree=[[0.5]])

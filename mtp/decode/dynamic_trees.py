@@ -97,6 +97,15 @@ def check_superset(superset: trees_lib.Tree, budget: int) -> None:
                      f'got {budget!r}')
 
 
+def reachable(superset: trees_lib.Tree, budget: int) -> trees_lib.Tree:
+  """`superset` without the nodes that `budget` nodes never reach: those deeper than
+  budget - 1 (a chain of the budget). Fewer heads then draft: each head costs a pass of its
+  own and a projection onto the vocabulary, whether its drafts are chosen or not."""
+  if superset.max_depth < budget:
+    return superset
+  return trees_lib.tree_from_choices([p for p in superset.choices if len(p) < budget])
+
+
 def node_scores(superset: trees_lib.Tree, log_probs: Array) -> Array:
   """Each superset node's path log-probability under the heads' drafts.
 

@@ -119,3 +119,11 @@ def test_default_superset_and_bad_budgets():
       dynamic_trees.check_superset(superset, budget)
   with pytest.raises(ValueError, match='lookup chain'):
     dynamic_trees.check_superset(trees.with_lookup(superset, 2), 4)
+
+
+def test_nodes_out_of_the_budgets_reach_are_cut():
+  superset = dynamic_trees.default_superset(4)
+  assert dynamic_trees.reachable(superset, 3).max_depth == 2  # Root + a chain of 2 at most.
+  assert dynamic_trees.reachable(superset, 5) is superset
+  cut = dynamic_trees.reachable(superset, 3)
+  assert set(cut.choices) == {p for p in superset.choices if len(p) <= 2}

@@ -156,6 +156,12 @@ def make_request(model_cfg, prompt_width: int, *, max_new_tokens: int,
   if lookup > longest_lookup:
     raise ValueError(f'lookup (--lookup) must be at most {longest_lookup} drafts, got {lookup}')
   vocab_limit, banned_ids = _check_vocab_mask(vocab_limit, banned_ids, trunk.vocab_size)
+  if tree_budget is None:
+    tree_budget = 0
+  if (isinstance(tree_budget, bool) or not isinstance(tree_budget, numbers.Integral)
+      or tree_budget < 0):
+    raise ValueError(f'tree_budget must be a whole number of nodes (0: a static tree), got '
+                     f'{tree_budget!r}')
   if tree_budget:
     candidates = _dynamic_superset(model_cfg.mtp_num_heads, tree, lookup, tree_budget, spec)
   elif spec.adaptive and model_cfg.mtp_num_heads == 0 and tree is None and not lookup:
@@ -204,7 +210,7 @@ def _dynamic_superset(num_heads: int, tree: TreeChoice, lookup, budget,
   else:
     superset = resolve_tree(num_heads, tree)
   dynamic_trees.check_superset(superset, budget)
-  return superset
+  return dynamic_trees.reachable(superset, budget)
 
 
 def _check_draft_vocab_size(size, tree: trees_lib.Tree, vocab_size: int, decoder: str) -> int:
