@@ -58,11 +58,11 @@ DEMO_SHAPE = dict(vocab_size=4096, embed_dim=256, num_layers=4, num_attention_he
 
 def _model():
   from flax import nnx
-  from benchmarks import device
+  import benchmarks
   from mtp.model import mtp_model
   from mtp.model import transformer
   if FLAGS.model == 'smollm2':
-    return device.random_model(tiny=False, dtype='float32')
+    return benchmarks.random_model(tiny=False, dtype='float32')
   trunk = transformer.TransformerConfig(**DEMO_SHAPE)
   return mtp_model.MTPModel(mtp_model.ModelConfig(trunk=trunk, mtp_num_heads=4),
                             rngs=nnx.Rngs(0))

@@ -102,3 +102,15 @@ def test_pad_prompts():
   tokens, lengths = state_lib.pad_prompts([[5, 6, 7], [8]], pad_id=9, multiple=4)
   np.testing.assert_array_equal(tokens, [[5, 6, 7, 9], [8, 9, 9, 9]])
   np.testing.assert_array_equal(lengths, [3, 1])
+
+
+def test_decoding_fuses_projections_on_cpu_and_gives_the_same_tokens():
+  from mtp.decode import speculative
+  from mtp.decode import state as state_lib
+  model = testing.tiny_model(0)
+  prompts = testing.random_tokens((2, 5), 61, seed=4)
+  assert state_lib.prepare(model).fused  # This suite runs on CPU.
+  for generate in (autoregressive.generate, speculative.generate):
+    fused, unfused = (generate(state_lib.prepare(model, fuse=fuse), prompts, max_new_tokens=12)
+                      for fuse in (True, False))
+    np.testing.assert_array_equal(fused.tokens, unfused.tokens)

@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
+from mtp.model import transformer
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32)
 _FILE_NAME = 'step_cost.json'
@@ -94,6 +96,8 @@ def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   if not token_counts or min(token_counts) < 1:
     raise ValueError(f'token_counts must be positive, got {token_counts}')
   context = max(1, min(context, model.cfg.trunk.max_seq_len - max(token_counts)))
+  if state_lib.fuse_by_default(model):  # Decoding's layout (`state.PreparedModel`).
+    model = transformer.fused_projections(model)
   graphdef, params = nnx.split(model)
   costs = {}
   for t in sorted(set(int(t) for t in token_counts)):

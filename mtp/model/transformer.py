@@ -20,7 +20,7 @@ layouts compute the same function of the same weights.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -174,9 +174,15 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    fused = getattr(self, 'qkv_proj', None)  # A decoding copy's (`fused_projections`).
+    if fused is None:
+      q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    else:
+      q_width = cfg.num_attention_heads * cfg.head_dim
+      q, k, v = jnp.split(fused(x), (q_width, q_width + cfg.num_kv_heads * cfg.head_dim), -1)
+    q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     q = rotary_embedding(q, positions, cfg.rope_theta)
     k = rotary_embedding(k, positions, cfg.rope_theta)
     if cache is not None:
@@ -204,7 +210,44 @@ class MLP(nnx.Module):
                            kernel_init=partitioned(out_init, 'mlp', 'embed'), **common)
 
   def __call__(self, x: Array) -> Array:
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    fused = getattr(self, 'gate_up', None)  # A decoding copy's (`fused_projections`).
+    if fused is None:
+      return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    gate, up = jnp.split(fused(x), 2, axis=-1)
+    return self.down(jax.nn.silu(gate) * up)
+
+
+class FusedLinear(nnx.Module):
+  """Several bias-free `nnx.Linear`s of one input as one matmul: their kernels side by side."""
+
+  def __init__(self, linears: Sequence[nnx.Linear]):
+    self.dtype = linears[0].dtype
+    self.kernel = nnx.Param(jnp.concatenate([l.kernel[...] for l in linears], axis=-1))
+
+  def __call__(self, x: Array) -> Array:
+    x, kernel = nnx.nn.dtypes.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
+    return jnp.einsum('...d,...df->...f', x, kernel)
+
+
+def fused_projections(model: nnx.Module) -> nnx.Module:
+  """A copy of `model` for decoding: each attention's q, k and v projections as one matmul,
+  each MLP's gate and up projections as another.
+
+  Decoding reads every weight once per step for a few tokens, and on CPU three small matmuls
+  cost more than one of their combined width (SmolLM2's shapes at batch 1, one token: the
+  layers' matmuls 12% faster fused). The copy shares every other array with `model`; the fused
+  kernels are new arrays (the projections' weights twice in memory while both live). Outputs
+  match the unfused model's up to float rounding (a wider matmul may sum in another order).
+  """
+  fused = nnx.clone(model)
+  for _, module in list(nnx.iter_modules(fused)):
+    if isinstance(module, Attention) and getattr(module, 'qkv_proj', None) is None:
+      module.qkv_proj = FusedLinear([module.q_proj, module.k_proj, module.v_proj])
+      del module.q_proj, module.k_proj, module.v_proj
+    elif isinstance(module, MLP) and getattr(module, 'gate_up', None) is None:
+      module.gate_up = FusedLinear([module.gate, module.up])
+      del module.gate, module.up
+  return fused
 
 
 def rms_norm(cfg: TransformerConfig, *, rngs: nnx.Rngs, features: int | None = None):

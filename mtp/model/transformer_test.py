@@ -127,3 +127,34 @@ def test_bad_trunk_config_is_named(field, value, message):
   cfg = dataclasses.replace(testing.tiny_config().trunk, **{field: value})
   with pytest.raises(ValueError, match=message):
     cfg.validate()
+
+
+@pytest.mark.parametrize('head_type,scan', [('medusa', False), ('sequential', False),
+                                            ('parallel', True)])
+def test_fused_projections_compute_the_same_model(head_type, scan):
+  """One matmul for q, k and v and one for gate and up: the same outputs up to rounding, in
+  the trunk and in heads built of transformer layers, unrolled or scanned; the original model
+  keeps its own projections."""
+  import flax.nnx as nnx
+  from mtp.model import layout
+  model = testing.tiny_model(0, head_type=head_type)
+  if scan:
+    model = layout.with_layout(model, scan_layers=True)
+  fused = transformer.fused_projections(model)
+  modules = [m for _, m in nnx.iter_modules(fused)]
+  attentions = [m for m in modules if isinstance(m, transformer.Attention)]
+  mlps = [m for m in modules if isinstance(m, transformer.MLP)]
+  assert attentions and mlps
+  assert all(not hasattr(m, 'q_proj') and isinstance(m.qkv_proj, transformer.FusedLinear)
+             for m in attentions)
+  assert all(not hasattr(m, 'gate') and isinstance(m.gate_up, transformer.FusedLinear)
+             for m in mlps)
+  assert all(hasattr(m, 'q_proj') for _, m in nnx.iter_modules(model)
+             if isinstance(m, transformer.Attention))
+  tokens = testing.random_tokens((2, 9), 61, seed=2)
+  positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  np.testing.assert_allclose(fused(tokens, positions), model(tokens, positions), atol=2e-5,
+                             rtol=2e-5)
+  assert transformer.fused_projections(fused) is not fused  # Fusing again changes nothing.
+  np.testing.assert_allclose(transformer.fused_projections(fused)(tokens, positions),
+                             fused(tokens, positions))
