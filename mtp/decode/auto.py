@@ -32,8 +32,9 @@ from mtp.decode import request as request_lib
 
 _FILE_NAME = 'break_even.json'
 # Bumped when the decode loop's steps change cost (the two kinds of drafting step, the KV
-# cache's layout) or the way they are timed, so that older measurements are not reused.
-_LOOP_VERSION = 3
+# cache's layout, fused projections) or the way they are timed, so that older measurements
+# are not reused.
+_LOOP_VERSION = 4
 
 
 def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
