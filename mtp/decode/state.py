@@ -111,11 +111,14 @@ def prepare(model, fuse: bool | None = None) -> PreparedModel:
 
 
 def fuse_by_default(model) -> bool:
-  """Whether decoding fuses the model's projections: on CPU, with every weight on one device
-  (a sharded weight would be gathered to concatenate it)."""
-  return jax.default_backend() == 'cpu' and all(
-      len(leaf.sharding.device_set) == 1 for leaf in jax.tree.leaves(nnx.state(model))
-      if isinstance(leaf, jax.Array))
+  """Whether decoding fuses the model's projections: on CPU, with every weight a concrete
+  array on one device (a sharded weight would be gathered to concatenate it; traced weights,
+  as in an export for other platforms, keep the model's own layout)."""
+  leaves = jax.tree.leaves(nnx.state(model))
+  return (jax.default_backend() == 'cpu'
+          and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+          and all(len(leaf.sharding.device_set) == 1 for leaf in leaves
+                  if isinstance(leaf, jax.Array)))
 
 
 def merge(structure: _Structure, leaves):

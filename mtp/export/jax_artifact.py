@@ -45,6 +45,7 @@ from flax import nnx
 from mtp.checkpoint import fingerprint
 from mtp.decode import driver
 from mtp.decode import request as request_lib
+from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
 from mtp.export import ExportError
 from mtp.export import params as params_lib
@@ -227,8 +228,9 @@ def _generate_fn(graphdef, treedef, names: list[str], request: request_lib.Decod
     # pylint: disable=protected-access  # The driver's two compiled pieces, as `decode` runs them.
     # Every row is active (traced ones: the batch size is symbolic).
     active = jnp.ones(prompts.shape[:1], bool)
-    prepared, state = driver._begin(model, prompts, lengths, request, rng, eos_id, pad_id,
-                                    active)
+    # The model's own layout: the program may run on another platform than this one.
+    prepared, state = driver._begin(state_lib.prepare(model, fuse=False), prompts, lengths,
+                                    request, rng, eos_id, pad_id, active)
     # The buffer is M wide: start each row M - max_new_tokens columns in, so the loop's own
     # cut at M (static) falls after max_new_tokens tokens.
     offset = m - jnp.clip(max_new_tokens, 1, m)
