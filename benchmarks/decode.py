@@ -10,8 +10,9 @@ packages the model never saw, cut at a line boundary):
   * the heads' conditional top-k accuracies, measured on the trunk's greedy continuations of
     prompts from the training corpus's validation files (other code than the test prompts);
   * for batch sizes 1 and 8 and each decoder (autoregressive; 'auto', the default, which
-    drafts a chain plus lookup drafts where the text repeats, each kind of drafting step
-    stopping where it does not pay, and 'auto' without lookup; speculative with a chain of all
+    drafts its default tree (the accuracy tree below, where the heads' accuracies can be
+    measured) plus lookup drafts where the text repeats, each kind of drafting step stopping
+    where it does not pay, and 'auto' without lookup; speculative with a chain of all
     heads, the static default tree, a tree built from the accuracies with its size chosen
     from that batch size's cost curve, and a dynamic tree of that many nodes): mean accepted tokens per loop step, tokens/s and the
     speedup over autoregressive decoding. Decoders take turns within each repeat, so machine
@@ -98,8 +99,8 @@ def measure_workdir(workdir: str) -> dict:
   # name: (decoder, tree, lookup[, tree_budget]); lookup None: the decoder's default ('auto':
   # 8 greedy).
   decoders = {b: {'autoregressive': ('autoregressive', None, None),
-                  f'auto (chain of {num_heads} + lookup)': ('auto', None, None),
-                  f'auto heads only (chain of {num_heads})': ('auto', None, 0),
+                  'auto (its default tree + lookup)': ('auto', None, None),
+                  'auto heads only (its default tree)': ('auto', None, 0),
                   f'chain of {num_heads}': ('speculative', None, None),
                   f'default tree ({default_tree.num_nodes})': ('speculative', default_tree, None)}
               for b in batch_sizes}
@@ -146,7 +147,8 @@ def measure_workdir(workdir: str) -> dict:
       elif tree is not None:
         row['tree_nodes'] = tree.num_nodes
         row['tree_choices'] = [list(c) for c in tree.choices]
-      if decoder != 'autoregressive' and not budget:
+      # 'auto' without a tree picks its own (`mtp.api._adaptive_default_tree`).
+      if decoder != 'autoregressive' and not budget and not (decoder == 'auto' and tree is None):
         tree_used = tree or trees.chain_tree(num_heads)
         if decoder == 'auto' and lookup is None:  # Its default lookup chain, on demand.
           tree_used = trees.with_lookup(tree_used, 8)
