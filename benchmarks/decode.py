@@ -99,8 +99,8 @@ def measure_workdir(workdir: str) -> dict:
   # name: (decoder, tree, lookup[, tree_budget]); lookup None: the decoder's default ('auto':
   # 8 greedy).
   decoders = {b: {'autoregressive': ('autoregressive', None, None),
-                  'auto (its default tree + lookup)': ('auto', None, None),
-                  'auto heads only (its default tree)': ('auto', None, 0),
+                  'auto (own tree + lookup)': ('auto', None, None),
+                  'auto heads only (own tree)': ('auto', None, 0),
                   f'chain of {num_heads}': ('speculative', None, None),
                   f'default tree ({default_tree.num_nodes})': ('speculative', default_tree, None)}
               for b in batch_sizes}

@@ -30,7 +30,8 @@ flags.DEFINE_integer('heldout_batches', 8, 'Batches of held-out code to evaluate
 flags.DEFINE_integer('decode_prompts', 8, 'Held-out code prompts to decode (0: skip decoding).')
 flags.DEFINE_integer('decode_tokens', 128, 'Tokens to generate per prompt.')
 flags.DEFINE_integer('prompt_chars', 2000, 'Characters per prompt: its first lines of code.')
-flags.DEFINE_string('decode_tree', 'chain', 'Speculative candidates: chain, default or auto.')
+flags.DEFINE_string('decode_tree', None, 'Speculative candidates: chain, default or auto; unset: '
+                    'each decoder\'s own (a chain for speculative, auto\'s tree for auto).')
 
 
 def print_learning_curve(records: list[dict], num_heads: int, rows: int = 12) -> None:
@@ -77,13 +78,14 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
   plt.close(fig)
 
 
-def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str,
+def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str | None,
                      prompt_chars: int) -> bool:
   """Greedy batch-1 decoding of held-out code with each decoder; True if outputs matched.
 
-  'auto' (the default of `mtp.generate`) drafts like 'speculative', adds prompt-lookup drafts
-  where the text repeats, and stops each kind of drafting where it does not pay
-  (`mtp.decode.auto`); both must give the autoregressive tokens exactly.
+  'auto' (the default of `mtp.generate`) drafts like 'speculative' (with `tree` None, the tree
+  'auto' builds where it can measure the heads), adds prompt-lookup drafts where the text
+  repeats, and stops each kind of drafting where it does not pay (`mtp.decode.auto`); both
+  must give the autoregressive tokens exactly.
   """
   import mtp
   from mtp.data import corpora
@@ -115,7 +117,7 @@ def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str,
     emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in gens)
     matched = [a.tokens == s.tokens for a, s in zip(reference, gens)]
     all_matched &= all(matched)
-    print(f'  {decoder:<15} {speed[decoder]:7.1f} tokens/s ({tree}): '
+    print(f'  {decoder:<15} {speed[decoder]:7.1f} tokens/s ({tree or "its own tree"}): '
           f'{speed[decoder] / speed["autoregressive"]:.2f}x, '
           f'{emitted / max(steps, 1):.2f} tokens per step, outputs matched: '
           f'{"yes" if all(matched) else "NO"} ({sum(matched)}/{len(matched)} prompts)')

@@ -48,7 +48,8 @@ flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens (0 = all
 flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass in (0, 1] (1 = all).')
 flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 flags.DEFINE_integer('batch_size', 1, 'Prompts decoded together.')
-flags.DEFINE_string('tree', None, 'Speculative candidates: chain (default), default, auto, '
+flags.DEFINE_string('tree', None, 'Speculative candidates: chain (speculative\'s default), '
+                    'default, auto (the auto decoder\'s default, where validation code exists), '
                     'dynamic (each step and row verifies the nodes its heads find most probable, '
                     'EAGLE-2 style), or Medusa-style choices as JSON, e.g. "[[0], [1], [0, 0]]".')
 flags.DEFINE_integer('tree_budget', None, 'Nodes per step of a dynamic tree, root included '
