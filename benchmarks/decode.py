@@ -14,8 +14,8 @@ packages the model never saw, cut at a line boundary):
     measured) plus lookup drafts where the text repeats, each kind of drafting step stopping
     where it does not pay, and 'auto' without lookup; speculative with a chain of all
     heads, the static default tree, a tree built from the accuracies with its size chosen
-    from that batch size's cost curve, and a dynamic tree of that many nodes): mean accepted tokens per loop step, tokens/s and the
-    speedup over autoregressive decoding. Decoders take turns within each repeat, so machine
+    from that batch size's cost curve, and a dynamic tree of that many nodes): mean accepted
+    tokens per loop step, tokens/s and the speedup over autoregressive decoding. Decoders take turns within each repeat, so machine
     load hits them alike; figures are medians over repeats. Compilation is excluded
     (`mtp.generate` warms up first).
   * whether every speculative output equals the autoregressive one token for token.

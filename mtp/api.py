@@ -181,11 +181,12 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
       validation files and cached in the workdir, sized by the measured verification cost
       curve of this hardware and batch size), 'dynamic' (a dynamic tree, EAGLE-2 style:
       each step and row verifies the `tree_budget` nodes its heads' drafts make most
-      probable, out of the best 64-node tree for the heads' measured accuracies), Medusa-style choices (rank paths), or a
-      `trees.Tree`.
+      probable, out of the best 64-node tree for the heads' measured accuracies),
+      Medusa-style choices (rank paths), or a `trees.Tree`.
     tree_budget: nodes per step of a dynamic tree, root included (`tree` is then its
-      superset, None a 64-node default; for tree='dynamic', None sizes it as 'auto' sizes a static tree: from the
-      heads' measured accuracies and this hardware's cost curve). Not with lookup drafts.
+      superset, None a 64-node default; for tree='dynamic', None sizes it as 'auto' sizes a
+      static tree: from the heads' measured accuracies and this hardware's cost curve). Not
+      with lookup drafts.
     lookup: drafting decoders, greedy only: also draft this many tokens by prompt lookup, a
       copy of what followed the latest earlier occurrence of the text's last tokens, as one
       more chain below the tree's root (`trees.with_lookup`). Strong on repetitive text.
@@ -256,10 +257,8 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     request_lib.make_request(model.cfg, padded.shape[1], **options)
   if dynamic:
     if tree == 'dynamic':  # The superset and its budget from the heads' measured accuracies.
-      accuracies = head_accuracies(loaded)[:model.cfg.mtp_num_heads]
-      superset = trees_lib.tree_from_accuracies(accuracies, min(
-          _DYNAMIC_SUPERSET, sum(accuracies.shape[1] ** d
-                                 for d in range(1, accuracies.shape[0] + 1)) + 1))
+      superset = trees_lib.best_tree(head_accuracies(loaded)[:model.cfg.mtp_num_heads],
+                                     _DYNAMIC_SUPERSET)
     elif tree is None:
       superset = None
     else:

@@ -174,6 +174,4 @@ def default_superset(num_heads: int, num_nodes: int = 64) -> trees_lib.Tree:
   that a budget of up to about a third of it has room to follow the heads."""
   if num_heads < 1:
     raise ValueError(f'a dynamic tree needs MTP heads, got num_heads={num_heads}')
-  accuracies = np.asarray(trees_lib.TYPICAL_HEAD_ACCURACIES)[:num_heads]
-  most = sum(accuracies.shape[1] ** d for d in range(1, num_heads + 1)) + 1
-  return trees_lib.tree_from_accuracies(accuracies, min(num_nodes, most))
+  return trees_lib.best_tree(trees_lib.TYPICAL_HEAD_ACCURACIES[:num_heads], num_nodes)

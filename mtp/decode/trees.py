@@ -304,6 +304,14 @@ def tree_from_accuracies(accuracies, num_nodes: int) -> Tree:
   return tree_from_choices(chosen)
 
 
+def best_tree(accuracies, max_nodes: int) -> Tree:
+  """`tree_from_accuracies` with `max_nodes` nodes, or every possible node where the
+  accuracies' shape [depth, R] allows fewer (a superset for dynamic trees)."""
+  acc = _check_accuracies(accuracies)
+  possible = sum(acc.shape[1] ** d for d in range(1, acc.shape[0] + 1)) + 1
+  return tree_from_accuracies(acc, min(max_nodes, possible))
+
+
 def expected_accepted_length(tree: Tree, accuracies) -> float:
   """Expected number of accepted drafts per step (excluding the always-emitted next token).
 

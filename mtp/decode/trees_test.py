@@ -236,3 +236,9 @@ def test_without_lookup_is_the_heads_part_of_the_tree():
   np.testing.assert_array_equal(heads.attention_mask, whole.attention_mask[:4, :4])
   assert trees.with_lookup(trees.chain_tree(2), 2).without_lookup().is_chain
   assert base.without_lookup() is base
+
+
+def test_best_tree_takes_every_node_the_shape_allows():
+  acc = [[0.5, 0.2], [0.4, 0.1]]
+  assert trees.best_tree(acc, 4) == trees.tree_from_accuracies(acc, 4)
+  assert trees.best_tree(acc, 64).num_nodes == 1 + 2 + 4
