@@ -1,4 +1,12 @@
-"""Real text and code available offline: the Python standard library, a directory, held-out code.
+"""Real text and code available offline: the Python standard library, its prose, a directory,
+held-out code.
+
+`data.corpus` names one source or a mix of them joined by '+', e.g. 'stdlib+stdlib_prose':
+  * 'stdlib': the running interpreter's standard-library `.py` sources;
+  * 'stdlib_prose': the standard library's English prose, materialized once as `.txt` files
+    (`stdlib_prose_root`): the language reference's topics that `help()` shows and the
+    longer docstrings of every module, one file each;
+  * any other value: a directory, read for `data.extensions`.
 
 Everything here is deterministic: file lists are sorted and the train/valid split depends only on
 each file's path relative to the corpus root (a SHA-1 hash), so it is the same on every run and
@@ -8,17 +16,27 @@ machine.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import ast
 import hashlib
 import importlib.util
 import logging
 import os
 import pathlib
+import shutil
+import sys
 import sysconfig
+import tempfile
 from typing import Any
 
 EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-packages',
                            '__pycache__'})
 DEFAULT_HELDOUT_PACKAGES = ('ml_collections', 'absl')
+STDLIB = 'stdlib'
+STDLIB_PROSE = 'stdlib_prose'
+MIX_SEPARATOR = '+'
+# A docstring shorter than this is mostly a signature's gloss ("Return the size."), not prose.
+_MIN_DOCSTRING_CHARS = 200
+_PROSE_FORMAT = 1  # Bump when what `stdlib_prose_root` writes changes.
 
 
 def _walk(root: pathlib.Path, suffixes: tuple[str, ...],
@@ -133,25 +151,131 @@ class TextReader:
       logging.warning('Reading the %s: %s.', what, '; '.join(parts))
 
 
-def corpus_root(data_config: Any) -> pathlib.Path:
-  """Root directory of `data_config.corpus` ('stdlib' or a directory)."""
-  if data_config.corpus == 'stdlib':
+def corpus_sources(corpus: str) -> list[str]:
+  """The sources a `data.corpus` value names: one, or several joined by '+'."""
+  sources = [part.strip() for part in str(corpus).split(MIX_SEPARATOR)]
+  if not all(sources):
+    raise ValueError(f'data.corpus {corpus!r} names an empty source; expected {STDLIB!r}, '
+                     f'{STDLIB_PROSE!r}, a directory, or several joined by {MIX_SEPARATOR!r}.')
+  if len(set(sources)) != len(sources):
+    raise ValueError(f'data.corpus {corpus!r} names a source twice.')
+  return sources
+
+
+def source_root(source: str) -> pathlib.Path:
+  """Root directory of one corpus source."""
+  if source == STDLIB:
     return stdlib_root()
-  return pathlib.Path(data_config.corpus).expanduser()
+  if source == STDLIB_PROSE:
+    return stdlib_prose_root()
+  return pathlib.Path(source).expanduser()
+
+
+def source_files(source: str, extensions: Iterable[str]) -> list[pathlib.Path]:
+  """Sorted files of one corpus source (`extensions` filter a directory only)."""
+  if source == STDLIB:
+    return stdlib_files()
+  if source == STDLIB_PROSE:
+    return list_files(stdlib_prose_root(), ('.txt',))
+  return list_files(source_root(source), extensions)
+
+
+def corpus_root(data_config: Any) -> pathlib.Path:
+  """Root directory of `data_config.corpus`; for a mix, the folder holding all its roots."""
+  roots = [source_root(s) for s in corpus_sources(data_config.corpus)]
+  return roots[0] if len(roots) == 1 else pathlib.Path(os.path.commonpath(roots))
 
 
 def corpus_files(data_config: Any) -> list[pathlib.Path]:
-  """Sorted files of `data_config.corpus`, filtered by `data_config.extensions` for a directory."""
-  if data_config.corpus == 'stdlib':
-    return stdlib_files()
-  return list_files(corpus_root(data_config), data_config.extensions)
+  """Sorted files of `data_config.corpus` (each source's in turn, for a mix)."""
+  return [f for files in source_file_lists(data_config, 'all') for f in files]
+
+
+def source_file_lists(data_config: Any, split: str) -> list[list[pathlib.Path]]:
+  """Files of `split` ('train', 'valid' or 'all') of each source of `data_config.corpus`.
+
+  Each source is split on its own, by paths relative to its own root, so a source's split is
+  the same alone or in a mix, on every machine.
+  """
+  lists = []
+  for source in corpus_sources(data_config.corpus):
+    files = source_files(source, data_config.extensions)
+    if split != 'all':
+      train, valid = split_files(files, data_config.valid_fraction, source_root(source))
+      files = {'train': train, 'valid': valid}[split]
+    lists.append(files)
+  return lists
 
 
 def corpus_splits(data_config: Any) -> dict[str, list[pathlib.Path]]:
   """{'train': [...], 'valid': [...]} for `data_config` (corpus, extensions, valid_fraction)."""
-  train, valid = split_files(corpus_files(data_config), data_config.valid_fraction,
-                             corpus_root(data_config))
-  return {'train': train, 'valid': valid}
+  return {split: [f for files in source_file_lists(data_config, split) for f in files]
+          for split in ('train', 'valid')}
+
+
+def _cache_root() -> pathlib.Path:
+  return pathlib.Path(os.environ.get('MTP_CACHE_DIR') or
+                      pathlib.Path('~', '.cache', 'mtp').expanduser())
+
+
+def stdlib_prose_texts() -> dict[str, str]:
+  """{file name: text} of the standard library's prose.
+
+  * `topics/<name>.txt`: the language reference's topics as `help()` shows them
+    (`pydoc_data.topics`, about 0.5 MB of English);
+  * `docstrings/<module>.txt`: the docstrings of at least 200 characters of each module of
+    `stdlib_files()` (module, classes and functions, in source order), cleaned of their
+    indentation and separated by blank lines.
+  """
+  texts = {}
+  try:
+    from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+    texts.update({f'topics/{name}.txt': text for name, text in sorted(topics.topics.items())})
+  except ImportError:
+    logging.warning('This interpreter has no pydoc_data: stdlib_prose holds docstrings only.')
+  root = stdlib_root()
+  for path in stdlib_files():
+    try:
+      tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):  # Files for other Python versions, lib2to3 fixtures.
+      continue
+    docs = []
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        doc = ast.get_docstring(node, clean=True)
+        if doc and len(doc) >= _MIN_DOCSTRING_CHARS:
+          docs.append(doc)
+    if docs:
+      module = path.relative_to(root).with_suffix('').as_posix().replace('/', '.')
+      texts[f'docstrings/{module}.txt'] = '\n\n'.join(docs) + '\n'
+  return texts
+
+
+def stdlib_prose_root() -> pathlib.Path:
+  """A directory of the standard library's prose (`stdlib_prose_texts`), built once.
+
+  It lives under $MTP_CACHE_DIR (default ~/.cache/mtp), keyed by the interpreter's version and
+  standard-library path, and is written to a temporary sibling and renamed, so a reader never
+  sees half of it.
+  """
+  key = hashlib.sha1(f'{_PROSE_FORMAT}|{sys.version}|{stdlib_root()}'.encode()).hexdigest()[:12]
+  directory = _cache_root() / 'corpora' / f'stdlib_prose-{key}'
+  if directory.is_dir():
+    return directory
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  staging = pathlib.Path(tempfile.mkdtemp(prefix=f'.{directory.name}.', dir=directory.parent))
+  try:
+    for name, text in stdlib_prose_texts().items():
+      (staging / name).parent.mkdir(parents=True, exist_ok=True)
+      (staging / name).write_text(text, encoding='utf-8')
+    staging.rename(directory)
+  except OSError:
+    if not directory.is_dir():  # Not another process that got there first.
+      raise
+  finally:
+    if staging.exists():
+      shutil.rmtree(staging, ignore_errors=True)
+  return directory
 
 
 def heldout_files(packages: Sequence[str] = DEFAULT_HELDOUT_PACKAGES) -> list[pathlib.Path]:

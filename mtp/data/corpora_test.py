@@ -118,3 +118,47 @@ def test_heldout_files():
   assert not stdlib & set(files)
   with pytest.raises(ValueError, match='installed'):
     corpora.heldout_files(('no_such_package_xyz',))
+
+
+def test_corpus_sources_parses_mixes():
+  assert corpora.corpus_sources('stdlib') == ['stdlib']
+  assert corpora.corpus_sources('stdlib + stdlib_prose') == ['stdlib', 'stdlib_prose']
+  with pytest.raises(ValueError, match='empty source'):
+    corpora.corpus_sources('stdlib+')
+  with pytest.raises(ValueError, match='twice'):
+    corpora.corpus_sources('stdlib+stdlib')
+
+
+def test_a_mix_splits_each_source_as_it_splits_alone(tmp_path):
+  _write(tmp_path / 'a', [f'm{i}.py' for i in range(20)])
+  _write(tmp_path / 'b', [f'n{i}.py' for i in range(10)])
+  cfg = ml_collections.ConfigDict({'corpus': f'{tmp_path / "a"}+{tmp_path / "b"}',
+                                   'extensions': ('.py',), 'valid_fraction': 0.3})
+  alone = {}
+  for name in 'ab':
+    alone[name] = corpora.corpus_splits(ml_collections.ConfigDict(
+        {'corpus': str(tmp_path / name), 'extensions': ('.py',), 'valid_fraction': 0.3}))
+  mixed = corpora.corpus_splits(cfg)
+  for split in ('train', 'valid'):
+    assert mixed[split] == alone['a'][split] + alone['b'][split]
+  assert corpora.corpus_files(cfg) == sorted(corpora.corpus_files(cfg)[:20]) + sorted(
+      corpora.corpus_files(cfg)[20:])
+  assert corpora.corpus_root(cfg) == tmp_path
+
+
+def test_stdlib_prose_is_built_once_from_topics_and_docstrings(tmp_path, monkeypatch):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  modules = [p for p in corpora.stdlib_files() if p.name in ('bisect.py', 'heapq.py')]
+  monkeypatch.setattr(corpora, 'stdlib_files', lambda: modules)
+  root = corpora.stdlib_prose_root()
+  assert root.parent == tmp_path / 'corpora'
+  files = corpora.source_files('stdlib_prose', ())
+  names = {f.relative_to(root).as_posix() for f in files}
+  assert 'docstrings/heapq.txt' in names
+  assert any(n.startswith('topics/') for n in names)  # pydoc_data ships with CPython.
+  heapq_prose = (root / 'docstrings/heapq.txt').read_text()
+  assert 'heap' in heapq_prose and 'def ' not in heapq_prose
+  # Built once: a second call reads the same directory, nothing is rebuilt.
+  monkeypatch.setattr(corpora, 'stdlib_prose_texts', lambda: pytest.fail('rebuilt'))
+  assert corpora.stdlib_prose_root() == root
+  assert not [p for p in root.parent.iterdir() if p.name.startswith('.')]  # No staging left.

@@ -90,21 +90,46 @@ def pack(docs: Sequence[np.ndarray], seq_len: int, *, pad_id: int = 0,
 def split_texts(data_config: Any, split: str) -> list[str]:
   """Texts of the files of `split` ('train' or 'valid'), capped by `max_corpus_bytes`.
 
-  Binary files are skipped and files that are not valid UTF-8 read with U+FFFD, with a warning
-  (see `corpora.TextReader`).
+  A mix of sources ('stdlib+stdlib_prose') gives each source an equal share of the cap and
+  interleaves their documents evenly by bytes, so every stretch of packed rows (an eval
+  split's first rows, say) holds some of each. Binary files are skipped and files that are not
+  valid UTF-8 read with U+FFFD, with a warning (see `corpora.TextReader`).
   """
-  files = _split_files(data_config, split)
-  return _read_capped(files, data_config.max_corpus_bytes, f'{split} split')
+  file_lists = _split_file_lists(data_config, split)
+  cap = data_config.max_corpus_bytes
+  share = max(1, cap // len(file_lists)) if cap > 0 else cap
+  return _interleave([_read_capped(files, share, f'{split} split') for files in file_lists])
+
+
+def _split_file_lists(data_config: Any, split: str) -> list[list[pathlib.Path]]:
+  """Files of `split` of each source of the corpus; an error names a source with none."""
+  if split not in ('train', 'valid'):
+    raise ValueError(f"Unknown split {split!r}; expected one of ['train', 'valid'].")
+  lists = corpora.source_file_lists(data_config, split)
+  for source, files in zip(corpora.corpus_sources(data_config.corpus), lists):
+    if not files:
+      raise ValueError(f'Split {split!r} of corpus {source!r} has no files '
+                       f'(valid_fraction={data_config.valid_fraction}).')
+  return lists
 
 
 def _split_files(data_config: Any, split: str) -> list[pathlib.Path]:
-  splits = corpora.corpus_splits(data_config)
-  if split not in splits:
-    raise ValueError(f'Unknown split {split!r}; expected one of {sorted(splits)}.')
-  if not splits[split]:
-    raise ValueError(f'Split {split!r} of corpus {data_config.corpus!r} has no files '
-                     f'(valid_fraction={data_config.valid_fraction}).')
-  return splits[split]
+  return [f for files in _split_file_lists(data_config, split) for f in files]
+
+
+def _interleave(sources: Sequence[Sequence[str]]) -> list[str]:
+  """The documents of every source, merged in order of how far into its source each starts
+  (as a fraction of the source's bytes); one source is returned as it is."""
+  if len(sources) == 1:
+    return list(sources[0])
+  keyed = []
+  for index, texts in enumerate(sources):
+    total = max(1, sum(len(t) for t in texts))
+    start = 0
+    for text in texts:
+      keyed.append((start / total, index, text))
+      start += len(text)
+  return [text for _, _, text in sorted(keyed, key=lambda k: k[:2])]
 
 
 def _read_capped(files: Sequence[pathlib.Path], max_bytes: int,
@@ -227,7 +252,7 @@ def load_or_build_split(data_config: Any, tokenizer: tokenizer_lib.Tokenizer, sp
     if arrays is not None:
       return arrays
   start = time.perf_counter()
-  texts = _read_capped(files, data_config.max_corpus_bytes, f'{split} split')
+  texts = split_texts(data_config, split)
   arrays = pack(tokenize_documents(texts, tokenizer), data_config.seq_len,
                 pad_id=tokenizer.pad_id)
   logging.info('Built %s split: %d files, %d rows of %d tokens in %.1fs -> %s', split,

@@ -420,3 +420,30 @@ def test_pad_equal_to_eos_is_masked_by_segment_ids():
   np.testing.assert_array_equal(np.asarray(valid), [[True, True, False, False],
                                                     [False, False, False, False]])
   assert np.asarray(labels)[0, 1] == eos
+
+
+def test_a_mix_of_sources_shares_the_cap_and_interleaves(tmp_path):
+  for source, size in (('code', 40), ('prose', 400)):
+    for i in range(30):
+      path = tmp_path / source / f'{source}{i:02d}.txt'
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(source[0] * size)
+  config = ml_collections.ConfigDict({
+      'corpus': f'{tmp_path / "code"}+{tmp_path / "prose"}', 'extensions': ('.txt',),
+      'valid_fraction': 0.0, 'tokenizer': 'byte', 'seq_len': 32, 'max_corpus_bytes': 2400})
+  texts = pipeline.split_texts(config, 'train')
+  chars = ''.join(texts)
+  assert chars.count('c') == chars.count('p') == 1200  # Equal shares of the cap.
+  # Interleaved by bytes: each half of the documents holds about half of each source.
+  first = ''.join(texts[:len(texts) // 2])
+  assert 400 <= first.count('c') <= 800 and 400 <= first.count('p') <= 800
+  config.corpus = str(tmp_path / 'code')
+  assert ''.join(pipeline.split_texts(config, 'train')) == 'c' * 1200  # One source: whole cap.
+
+
+def test_a_source_without_files_in_a_split_is_named(tmp_path, corpus_config):
+  (tmp_path / 'one').mkdir()
+  (tmp_path / 'one' / 'only.py').write_text('x = 1\n')
+  corpus_config.corpus = f'{corpus_config.corpus}+{tmp_path / "one"}'
+  with pytest.raises(ValueError, match="corpus '.*one' has no files"):
+    pipeline.split_texts(corpus_config, 'valid')
