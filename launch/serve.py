@@ -1,7 +1,8 @@
 r"""An OpenAI-compatible HTTP server with exact self-speculative decoding.
 
   python -m launch.serve --workdir=workdirs/code_small [--port=8000] [--max_batch=8] \
-      [--max_wait_ms=10] [--decoder=speculative|autoregressive] [--model_name=mtp]
+      [--max_wait_ms=10] [--decoder=speculative|autoregressive] [--model_name=mtp] \
+      [--tree=chain|default|auto|dynamic] [--tree_budget=N]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus), GET / (a page). A greedy request returns exactly what
@@ -27,6 +28,13 @@ flags.DEFINE_integer('max_queue', 256, 'Requests waiting for a batch at most; mo
 flags.DEFINE_string('model_name', 'mtp', 'The model id that /v1/models lists.')
 flags.DEFINE_enum('decoder', decoders.SERVED_DEFAULT, list(decoders.SERVED),
                   'Decoder of requests that name none (a request may set "decoder").')
+flags.DEFINE_string('tree', None, 'The speculative decoder\'s candidates: chain (the default), '
+                    'default (a static 24-node tree), auto (from the heads\' measured accuracies '
+                    'and this machine\'s verification cost), dynamic (EAGLE-2: each step and '
+                    'row verifies the --tree_budget most probable nodes), or JSON choices.')
+flags.DEFINE_integer('tree_budget', None, 'Nodes per step of a dynamic tree, root included '
+                     '(--tree is then its superset; with --tree=dynamic, default: sized from '
+                     'the measured cost curve).')
 flags.DEFINE_integer('default_max_tokens', 16, 'max_tokens of requests that give none.')
 flags.DEFINE_bool('exact', True, 'Row-mapped batches: every greedy request gets exactly its '
                   'batch-of-one tokens (launch.generate\'s). --noexact shares matmuls across '
@@ -54,11 +62,16 @@ def main(argv):
                        'or a params export')
     names = [d for d in decoders.SERVED
              if loaded.model.cfg.mtp_num_heads or not decoders.get(d).drafts]
+    # Exact mode decodes every row as a batch of one: size trees for that.
+    tree, tree_budget = mtp.api.resolve_tree(
+        loaded, cli.parse_tree(FLAGS.tree, mtp.api.TREES), decoder='speculative',
+        batch_size=1 if FLAGS.exact else FLAGS.max_batch, tree_budget=FLAGS.tree_budget)
     application, batcher = server.build(
         loaded, max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms,
         max_queue=FLAGS.max_queue, exact=FLAGS.exact, steps_per_chunk=FLAGS.steps_per_chunk,
         model_name=FLAGS.model_name, default_max_tokens=FLAGS.default_max_tokens,
-        decoder=FLAGS.decoder, warmup=[(d, n) for d in names for n in warmup_tokens])
+        decoder=FLAGS.decoder, warmup=[(d, n) for d in names for n in warmup_tokens],
+        tree=tree, tree_budget=tree_budget)
     sock = server.free_socket(FLAGS.host, FLAGS.port)
   # The bound port, which --port=0 leaves to the system: scripts read this line.
   print(f'{PROGRAM}: serving {FLAGS.workdir} as {FLAGS.model_name!r} on '

@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
@@ -255,23 +255,10 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     # hardware (compiling the model), a draft vocabulary counts the corpus: check the rest
     # first.
     request_lib.make_request(model.cfg, padded.shape[1], **options)
-  if dynamic:
-    if tree == 'dynamic':  # The superset and its budget from the heads' measured accuracies.
-      superset = trees_lib.best_tree(head_accuracies(loaded)[:model.cfg.mtp_num_heads],
-                                     _DYNAMIC_SUPERSET)
-    elif tree is None:
-      superset = None
-    else:
-      superset = _tree(loaded, tree, batch_size) or trees_lib.chain_tree(model.cfg.mtp_num_heads)
-    budget = tree_budget or _tree(loaded, 'auto', batch_size).num_nodes
-    request = request_lib.make_request(model.cfg, padded.shape[1], tree=superset,
-                                       tree_budget=budget, **options)
-  else:
-    if spec.drafts:
-      tree = _adaptive_default_tree(loaded, batch_size) if (
-          spec.adaptive and tree is None) else _tree(loaded, tree, batch_size)
-    request = request_lib.make_request(model.cfg, padded.shape[1], tree=tree,
-                                       tree_budget=tree_budget or 0, **options)
+  tree, tree_budget = resolve_tree(loaded, tree, decoder=decoder, batch_size=batch_size,
+                                   tree_budget=tree_budget)
+  request = request_lib.make_request(model.cfg, padded.shape[1], tree=tree,
+                                     tree_budget=tree_budget, **options)
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
   if request.draft_vocab_size:
     special['draft_vocab'] = draft_vocabulary(loaded, request.draft_vocab_size)
@@ -475,6 +462,37 @@ def _tree(loaded: LoadedModel, tree, batch_size: int):
     return cost_model.choose_tree(model, head_accuracies(loaded),
                                   cost=cost_model.step_cost(model, batch_size=batch_size))
   return tree
+
+
+def resolve_tree(loaded: LoadedModel, tree, *, decoder: str, batch_size: int,
+                 tree_budget: int | None = None) -> tuple[Any, int]:
+  """A user's tree choice (`generate`'s `tree` and `tree_budget`) as `make_request` takes it.
+
+  Named trees are built here: 'auto' and 'dynamic' from the heads' measured accuracies and this
+  hardware's cost curve at `batch_size`, the 'auto' decoder's default (tree None) likewise.
+  Anything a decoder cannot take is passed on for `request.make_request` to name.
+
+  Returns:
+    (tree, budget): a static tree (or None, a chain) and 0, or a dynamic tree's superset and
+    its node budget.
+  """
+  spec = decoders.get(decoder)
+  heads = loaded.model.cfg.mtp_num_heads
+  if not spec.drafts:
+    return tree, tree_budget or 0
+  if heads == 0:  # make_request names the real problem: nothing drafts.
+    return (None if isinstance(tree, str) else tree), tree_budget or 0
+  if tree == 'dynamic' or tree_budget:
+    if tree == 'dynamic':  # The superset and its budget from the heads' measured accuracies.
+      superset = trees_lib.best_tree(head_accuracies(loaded)[:heads], _DYNAMIC_SUPERSET)
+    elif tree is None:
+      superset = None
+    else:
+      superset = _tree(loaded, tree, batch_size) or trees_lib.chain_tree(heads)
+    return superset, tree_budget or _tree(loaded, 'auto', batch_size).num_nodes
+  if spec.adaptive and tree is None:
+    return _adaptive_default_tree(loaded, batch_size), 0
+  return _tree(loaded, tree, batch_size), 0
 
 
 def _adaptive_default_tree(loaded: LoadedModel, batch_size: int):

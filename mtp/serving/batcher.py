@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from mtp.decode import decoders
 from mtp.decode import driver
 from mtp.decode import request as request_lib
 from mtp.decode import state as state_lib
@@ -136,8 +137,14 @@ class Batcher:
 
   def __init__(self, loaded, *, max_batch: int = 8, max_wait_ms: float = 10.0,
                max_queue: int = 256, exact: bool = True, steps_per_chunk: int | None = None,
-               metrics=None):
+               metrics=None, tree=None, tree_budget: int = 0):
+    """`tree` and `tree_budget`: the drafting decoders' block, as `api.resolve_tree` returns
+    it (a static tree or None for a chain, or a dynamic tree's superset and budget)."""
     self.loaded = loaded
+    self.tree, self.tree_budget = tree, int(tree_budget or 0)
+    if tree is not None or self.tree_budget:  # A bad block fails here, not in every request.
+      request_lib.make_request(loaded.model.cfg, PROMPT_WIDTH_MULTIPLE, max_new_tokens=1,
+                               decoder='speculative', tree=tree, tree_budget=self.tree_budget)
     self.tokenizer = loaded.tokenizer
     self.model_cfg = loaded.model.cfg
     self.prepared = state_lib.prepare(loaded.model)
@@ -212,8 +219,10 @@ class Batcher:
       decoder, width, max_tokens, temperature, top_p = key
       tok = self.tokenizer
       banned = () if tok.pad_id in (None, tok.eos_id) else (tok.pad_id,)
+      drafts = decoders.get(decoder).drafts
       self._requests[key] = request_lib.make_request(
           self.model_cfg, width, max_new_tokens=max_tokens, decoder=decoder,
+          tree=self.tree if drafts else None, tree_budget=self.tree_budget if drafts else 0,
           temperature=temperature, top_p=top_p, row_mapped=self.exact,
           vocab_limit=min(tok.vocab_size, self.model_cfg.trunk.vocab_size), banned_ids=banned)
     return self._requests[key]

@@ -47,3 +47,21 @@ def test_shared_matmul_mode_serves_concurrent_requests(served):
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
     got = list(pool.map(ask, prompts))
   assert got == [want[p] for p in prompts]
+
+
+@pytest.mark.parametrize('tree,budget,nodes', [([(0,), (1,), (0, 0)], 0, 4), (None, 3, 3)])
+def test_trees_are_served_exactly(tmp_path, tree, budget, nodes):
+  """A static tree or a dynamic one (--tree, --tree_budget): greedy requests still return
+  launch.generate's tokens, and a bad block is refused when the server is built."""
+  loaded = mtp.load(testing.tiny_workdir(tmp_path / 'wd'))
+  prompts = ['def f(x):', 'import os']
+  want = testing.references(loaded, prompts, 6)
+  with server.running(loaded, max_batch=2, tree=tree, tree_budget=budget) as (url, batcher):
+    assert batcher._request(('speculative', 32, 6, 0.0, 1.0)).block_size == nodes
+    client = openai.OpenAI(base_url=url + '/v1', api_key='unused', max_retries=0)
+    for prompt in prompts:
+      response = client.completions.create(model='m', prompt=prompt, max_tokens=6,
+                                            temperature=0, extra_body={'decoder': 'speculative'})
+      assert response.model_extra['mtp']['tokens'] == want[prompt]
+  with pytest.raises(ValueError, match='tree_budget'):
+    batcher_lib.Batcher(loaded, tree=None, tree_budget=10_000)

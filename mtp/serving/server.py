@@ -17,12 +17,15 @@ from mtp.serving import metrics as metrics_lib
 def build(loaded, *, max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
           exact: bool = True, steps_per_chunk: int | None = None, model_name: str = 'mtp',
           default_max_tokens: int = 16, decoder: str | None = None,
-          warmup: list[tuple[str, int]] = ()):
-  """(app, batcher) with the batcher's thread started (warm-up runs there, in the background)."""
+          warmup: list[tuple[str, int]] = (), tree=None, tree_budget: int = 0):
+  """(app, batcher) with the batcher's thread started (warm-up runs there, in the background).
+
+  `tree`, `tree_budget`: the speculative decoder's block (`Batcher`)."""
   metrics = metrics_lib.Metrics()
   batcher = batcher_lib.Batcher(loaded, max_batch=max_batch, max_wait_ms=max_wait_ms,
                                 max_queue=max_queue, exact=exact,
-                                steps_per_chunk=steps_per_chunk, metrics=metrics)
+                                steps_per_chunk=steps_per_chunk, metrics=metrics, tree=tree,
+                                tree_budget=tree_budget)
   kwargs = {} if decoder is None else {'default_decoder': decoder}
   app = app_lib.create_app(batcher, model_name=model_name,
                            default_max_tokens=default_max_tokens, metrics=metrics, **kwargs)
