@@ -19,7 +19,10 @@ Decoders, greedy, at batch 1 and 4:
   * mtp autoregressive, and mtp self-speculative with a chain of its heads and with a tree
     (built from the heads' measured accuracies and this machine's verification cost, or the
     static default tree), and that tree with a chain of prompt-lookup drafts beside it
-    (`--mtp_lookup` copies of the text's own continuation; 0 leaves the row out).
+    (`--mtp_lookup` copies of the text's own continuation; 0 leaves the row out);
+  * mtp auto, the default decoder (`mtp.generate` with no decoder, tree or lookup named): its
+    own tree and lookup drafts, each kind of drafting step stopped where it does not pay.
+  `--draft_vocab=N` lets the heads draft over the N most frequent ids (FR-Spec).
 
 Every decoder generates exactly --max_new_tokens tokens per prompt: neither side stops at EOS
 (transformers: `eos_token_id=None`; mtp: a view of the tokenizer without an EOS id), so each run
@@ -75,6 +78,8 @@ flags.DEFINE_integer('prompt_lookup_num_tokens', 10,
 flags.DEFINE_integer('mtp_lookup', 8, 'Lookup drafts beside the mtp tree (0: no such row).')
 flags.DEFINE_enum('tree', 'auto', ['auto', 'default'], 'The mtp tree: auto (from measured head '
                   'accuracies and verification cost) or default (static Medusa-style).')
+flags.DEFINE_integer('draft_vocab', 0, 'The heads draft over this many most frequent ids of '
+                     'their training data (FR-Spec, `mtp.generate(draft_vocab=)`); 0: all.')
 flags.DEFINE_integer('threads', None, 'torch threads (default: all cores).')
 flags.DEFINE_string('output', 'results/peer.json', 'JSON results.')
 flags.DEFINE_string('table', 'results/peer.md', 'The markdown table.')
@@ -87,7 +92,8 @@ MTP_AR = 'mtp autoregressive'
 MTP_CHAIN = 'mtp chain'
 MTP_TREE = 'mtp tree'
 MTP_TREE_LOOKUP = 'mtp tree + lookup'
-SPECULATIVE = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP)
+MTP_AUTO = 'mtp auto (default)'
+SPECULATIVE = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP, MTP_AUTO)
 # Distributions whose description is not held-out prose: this project's own README.
 EXCLUDED_DISTRIBUTIONS = frozenset({'mtp'})
 
@@ -250,19 +256,22 @@ def hf_decoder(model, pad_id: int, **options) -> Decoder:
   return run
 
 
-def mtp_decoder(loaded, decoder: str, tree=None, lookup: int = 0) -> Decoder:
-  """`mtp.generate` (it compiles and warms up before its timed batches)."""
+def mtp_decoder(loaded, decoder: str, tree=None, lookup: int | None = 0) -> Decoder:
+  """`mtp.generate` (it compiles and warms up before its timed batches); with decoder 'auto',
+  tree=None and lookup=None, the library's defaults."""
   import mtp
+  draft_vocab = FLAGS.draft_vocab if decoder != 'autoregressive' and FLAGS.draft_vocab else None
 
   def run(texts, ids, batch_size):
     del ids
     gens = mtp.generate(loaded, list(texts), max_new_tokens=FLAGS.max_new_tokens,
-                        decoder=decoder, tree=tree, lookup=lookup, batch_size=batch_size)
+                        decoder=decoder, tree=tree, lookup=lookup, batch_size=batch_size,
+                        draft_vocab=draft_vocab)
     seconds = sum(g.seconds for g in gens[::batch_size])  # Rows of a batch share its time.
     steps = sum(g.num_steps for g in gens)
     accepted = sum(g.mean_accepted * g.num_steps for g in gens) / max(steps, 1)
     return Run([g.tokens for g in gens], seconds,
-               accepted if decoder == 'speculative' else None)
+               accepted if decoder != 'autoregressive' else None)
   return run
 
 
@@ -302,6 +311,8 @@ def decoders_by_batch(hf_model, hf_pad_id: int, loaded, batch_sizes) -> dict:
         table[b][MTP_TREE_LOOKUP] = Entry(
             mtp_decoder(no_eos, 'speculative', tree, FLAGS.mtp_lookup),
             f'{tree.num_nodes} + {FLAGS.mtp_lookup} nodes')
+      table[b][MTP_AUTO] = Entry(mtp_decoder(no_eos, 'auto', lookup=None),
+                                 'its own tree and lookup, stops where drafts do not pay')
     else:
       for name in SPECULATIVE:
         table[b][name] = Entry(None, not_applicable=f'{loaded.workdir} has no heads')
@@ -366,6 +377,9 @@ def summarize(runs: dict, decoders: dict) -> list[dict]:
             tokens=mine[0].tokens)
         if mine[0].mean_accepted is not None:
           row['mean_accepted'] = mine[0].mean_accepted
+        if ar is not None:
+          row['speedup_vs_mtp_autoregressive'] = statistics.median(
+              r.tokens_per_sec / a.tokens_per_sec for r, a in zip(mine, ar))
         if name != HF_GREEDY:
           row['mismatches_vs_hf_greedy'] = mismatches(mine[0].tokens, hf[0].tokens)
         if name in SPECULATIVE:
@@ -389,18 +403,20 @@ def _agreement(row: dict, key: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-  lines = ['| prompts | batch | decoder | tokens/s | vs HF greedy | tokens/step | '
-           '= HF greedy | = mtp autoregressive |',
-           '|---|---:|---|---:|---:|---:|---|---|']
+  lines = ['| prompts | batch | decoder | tokens/s | vs HF greedy | vs mtp autoregressive | '
+           'tokens/step | = HF greedy | = mtp autoregressive |',
+           '|---|---:|---|---:|---:|---:|---:|---|---|']
   for r in rows:
     decoder = f'{r["decoder"]} ({r["setting"]})' if r['setting'] else r['decoder']
     if 'not_applicable' in r:
-      lines.append(f'| {r["kind"]} | {r["batch_size"]} | {decoder} | n/a | | | | '
+      lines.append(f'| {r["kind"]} | {r["batch_size"]} | {decoder} | n/a | | | | | '
                    f'{r["not_applicable"]} |')
       continue
     accepted = f'{r["mean_accepted"]:.2f}' if 'mean_accepted' in r else '-'
+    vs_ar = (f'{r["speedup_vs_mtp_autoregressive"]:.2f}x'
+             if 'speedup_vs_mtp_autoregressive' in r else '-')
     lines.append(f'| {r["kind"]} | {r["batch_size"]} | {decoder} | '
-                 f'{r["tokens_per_sec"]:.1f} | {r["speedup"]:.2f}x | {accepted} | '
+                 f'{r["tokens_per_sec"]:.1f} | {r["speedup"]:.2f}x | {vs_ar} | {accepted} | '
                  f'{_agreement(r, "mismatches_vs_hf_greedy")} | '
                  f'{_agreement(r, "mismatches_vs_mtp_autoregressive")} |')
   return '\n'.join(lines)

@@ -70,7 +70,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
   result = json.loads((out / 'peer.json').read_text())
   assert result['speculative_equals_autoregressive'] is True
   rows = {(r['kind'], r['batch_size'], r['decoder']): r for r in result['rows']}
-  assert len(rows) == 2 * 2 * 6  # kinds x batch sizes x decoders (tree + lookup included)
+  assert len(rows) == 2 * 2 * 7  # kinds x batch sizes x decoders (tree + lookup, auto)
   assert 'not_applicable' in rows['code', 2, peer.HF_LOOKUP]
   for (kind, b, name), row in rows.items():
     if 'not_applicable' not in row:
@@ -78,5 +78,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
       # Neither side stops at EOS: exactly max_new_tokens per prompt.
       assert [len(t) for t in row['tokens']] == [4]
   assert rows['prose', 1, peer.MTP_CHAIN]['mean_accepted'] >= 1
+  assert rows['code', 1, peer.MTP_AUTO]['mismatches_vs_mtp_autoregressive'] == []
+  assert rows['code', 1, peer.MTP_AUTO]['speedup_vs_mtp_autoregressive'] > 0
   assert '| prose | 1 | mtp chain' in (out / 'peer.md').read_text()
   assert (out / 'peer.png').stat().st_size > 0
