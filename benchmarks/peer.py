@@ -46,11 +46,9 @@ Prints a markdown table; writes results/peer.json, results/peer.md and results/p
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -58,6 +56,8 @@ from typing import Callable, Sequence
 
 from absl import app
 from absl import flags
+
+from benchmarks import heldout_prompts
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', 'workdirs/smollm2_heads', 'mtp workdir with MTP heads.')
@@ -85,7 +85,7 @@ flags.DEFINE_string('output', 'results/peer.json', 'JSON results.')
 flags.DEFINE_string('table', 'results/peer.md', 'The markdown table.')
 flags.DEFINE_string('plot', 'results/peer.png', 'Plot.')
 
-KINDS = ('code', 'prose')
+KINDS = heldout_prompts.KINDS
 HF_GREEDY = 'HF greedy'
 HF_LOOKUP = 'HF prompt lookup'
 MTP_AR = 'mtp autoregressive'
@@ -94,8 +94,6 @@ MTP_TREE = 'mtp tree'
 MTP_TREE_LOOKUP = 'mtp tree + lookup'
 MTP_AUTO = 'mtp auto (default)'
 SPECULATIVE = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP, MTP_AUTO)
-# Distributions whose description is not held-out prose: this project's own README.
-EXCLUDED_DISTRIBUTIONS = frozenset({'mtp'})
 
 
 # ------------------------------------------------------------------------------------------
@@ -104,82 +102,12 @@ EXCLUDED_DISTRIBUTIONS = frozenset({'mtp'})
 
 def code_prompts(tokenizer) -> list[str]:
   """The first lines of code of held-out files (absl, ml_collections), as in benchmarks.decode."""
-  from mtp.data import corpora
-  from mtp.decode import calibration
-  return calibration.code_prompts(corpora.heldout_files(), tokenizer, FLAGS.num_prompts,
-                                  max_tokens=FLAGS.prompt_tokens,
-                                  min_tokens=FLAGS.prompt_tokens // 2)
-
-
-# Markdown / reStructuredText markup, code, links, lists, tables: not plain prose.
-_MARKUP = re.compile(r'[`*_#<>|\[\]{}=\\~^@$]|https?://|www\.|::|\.\. |^\s*([-+>.]|\d+[.)])',
-                     re.MULTILINE)
-
-
-def _is_plain_prose(paragraph: str) -> bool:
-  """Sentences of ordinary text: no markup or indented code, few capitals (licence shouting)."""
-  text = ' '.join(paragraph.split())
-  if len(text) < 150 or _MARKUP.search(paragraph) or text[-1] not in '.!?':
-    return False
-  if any(line.startswith((' ', '\t')) for line in paragraph.splitlines()):
-    return False
-  wordy = sum(c.isalpha() or c.isspace() for c in text)
-  return wordy > 0.9 * len(text) and sum(c.isupper() for c in text) < 0.08 * len(text)
-
-
-def _description(dist: importlib.metadata.Distribution) -> str:
-  """The long description: the METADATA body, or the legacy `Description` header."""
-  metadata = dist.metadata
-  body = metadata.get_payload() if hasattr(metadata, 'get_payload') else ''
-  return body or metadata.get('Description') or ''
-
-
-def prose_paragraphs() -> dict[str, list[str]]:
-  """Plain-prose paragraphs (whitespace normalised) of each installed distribution's README.
-
-  A paragraph already taken from another distribution (shared boilerplate) is skipped.
-  """
-  dists, found, seen = {}, {}, set()
-  for dist in importlib.metadata.distributions():
-    name = re.sub(r'[-_.]+', '-', (dist.metadata['Name'] or '').lower())
-    if name and name not in EXCLUDED_DISTRIBUTIONS:
-      dists.setdefault(name, dist)
-  for name in sorted(dists):
-    paragraphs = []
-    for paragraph in re.split(r'\n\s*\n', _description(dists[name])):
-      text = ' '.join(paragraph.split())
-      if _is_plain_prose(paragraph) and text not in seen:
-        seen.add(text)
-        paragraphs.append(text)
-    if paragraphs:
-      found[name] = paragraphs
-  return found
-
-
-def _sentences(paragraphs: list[str]):
-  """(separator, sentence) pairs: a blank line before each paragraph, else a space."""
-  for paragraph in paragraphs:
-    for j, sentence in enumerate(re.split(r'(?<=[.!?])\s+', paragraph)):
-      yield ('\n\n' if j == 0 else ' '), sentence
+  return heldout_prompts.code(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens)
 
 
 def prose_prompts(tokenizer) -> list[str]:
-  """One prompt per distribution, those with the most prose first: as many whole sentences
-  of its paragraphs as fit in --prompt_tokens."""
-  prompts = []
-  by_length = sorted(prose_paragraphs().items(), key=lambda kv: (-sum(map(len, kv[1])), kv[0]))
-  for _, paragraphs in by_length:
-    text = ''
-    for separator, sentence in _sentences(paragraphs):
-      longer = text + separator + sentence if text else sentence
-      if len(tokenizer.encode(longer)) > FLAGS.prompt_tokens:
-        break
-      text = longer
-    if len(tokenizer.encode(text)) >= FLAGS.prompt_tokens // 2:
-      prompts.append(text)
-    if len(prompts) == FLAGS.num_prompts:
-      break
-  return prompts
+  """Whole sentences of installed packages' READMEs (`heldout_prompts.prose`)."""
+  return heldout_prompts.prose(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens)
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
+from benchmarks import heldout_prompts
 from benchmarks import peer
 from mtp.data import tokenizer as tokenizer_lib
 
@@ -24,13 +25,13 @@ def _parse(argv):
 
 def test_plain_prose_filter():
   sentence = 'This library reads files and writes them back in the same order. '
-  assert peer._is_plain_prose(sentence * 3)
-  assert not peer._is_plain_prose(sentence)  # Too short.
-  assert not peer._is_plain_prose(sentence * 2 + 'See `read_file` for details.')
-  assert not peer._is_plain_prose(sentence * 2 + 'Docs: https://example.org/docs.')
-  assert not peer._is_plain_prose('- ' + sentence * 3)
-  assert not peer._is_plain_prose('    ' + sentence * 3)
-  assert not peer._is_plain_prose(sentence.upper() * 3)
+  assert heldout_prompts.is_plain_prose(sentence * 3)
+  assert not heldout_prompts.is_plain_prose(sentence)  # Too short.
+  assert not heldout_prompts.is_plain_prose(sentence * 2 + 'See `read_file` for details.')
+  assert not heldout_prompts.is_plain_prose(sentence * 2 + 'Docs: https://example.org/docs.')
+  assert not heldout_prompts.is_plain_prose('- ' + sentence * 3)
+  assert not heldout_prompts.is_plain_prose('    ' + sentence * 3)
+  assert not heldout_prompts.is_plain_prose(sentence.upper() * 3)
 
 
 @flagsaver.flagsaver
@@ -38,10 +39,20 @@ def test_prose_prompts_are_whole_sentences_within_budget():
   _parse(['--num_prompts=3', '--prompt_tokens=48'])
   tokenizer = tokenizer_lib.byte_tokenizer()
   prompts = peer.prose_prompts(tokenizer)
-  assert prompts
+  assert prompts and prompts == heldout_prompts.of_kind('prose', tokenizer, 3, 48)
   for prompt in prompts:
     assert 24 <= len(tokenizer.encode(prompt)) <= 48
     assert prompt[-1] in '.!?'
+
+
+def test_prompt_kinds_are_named():
+  tokenizer = tokenizer_lib.byte_tokenizer()
+  code = heldout_prompts.of_kind('code', tokenizer, 2, 64)
+  assert len(code) == 2 and all(32 <= len(tokenizer.encode(p)) <= 64 for p in code)
+  with pytest.raises(ValueError, match='prompt kind must be one of code, prose'):
+    heldout_prompts.of_kind('poetry', tokenizer, 2, 64)
+  with pytest.raises(ValueError, match='no prose prompts of at least'):
+    heldout_prompts.of_kind('prose', tokenizer, 2, 100_000)
 
 
 def test_mismatches_name_the_first_difference():
