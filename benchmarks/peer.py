@@ -22,7 +22,8 @@ Decoders, greedy, at batch 1 and 4:
     (`--mtp_lookup` copies of the text's own continuation; 0 leaves the row out);
   * mtp auto, the default decoder (`mtp.generate` with no decoder, tree or lookup named): its
     own tree and lookup drafts, each kind of drafting step stopped where it does not pay.
-  `--draft_vocab=N` lets the heads draft over the N most frequent ids (FR-Spec).
+  `--draft_vocab=N` lets the heads of every drafting row draft over the N most frequent ids
+  (FR-Spec; 0: the whole vocabulary); by default each decoder drafts over its own default.
 
 Every decoder generates exactly --max_new_tokens tokens per prompt: neither side stops at EOS
 (transformers: `eos_token_id=None`; mtp: a view of the tokenizer without an EOS id), so each run
@@ -78,8 +79,9 @@ flags.DEFINE_integer('prompt_lookup_num_tokens', 10,
 flags.DEFINE_integer('mtp_lookup', 8, 'Lookup drafts beside the mtp tree (0: no such row).')
 flags.DEFINE_enum('tree', 'auto', ['auto', 'default'], 'The mtp tree: auto (from measured head '
                   'accuracies and verification cost) or default (static Medusa-style).')
-flags.DEFINE_integer('draft_vocab', 0, 'The heads draft over this many most frequent ids of '
-                     'their training data (FR-Spec, `mtp.generate(draft_vocab=)`); 0: all.')
+flags.DEFINE_integer('draft_vocab', None, 'The heads draft over this many most frequent ids of '
+                     'their training data (FR-Spec, `mtp.generate(draft_vocab=)`); 0: all; '
+                     'default: each decoder\'s own.')
 flags.DEFINE_integer('threads', None, 'torch threads (default: all cores).')
 flags.DEFINE_string('output', 'results/peer.json', 'JSON results.')
 flags.DEFINE_string('table', 'results/peer.md', 'The markdown table.')
@@ -188,7 +190,7 @@ def mtp_decoder(loaded, decoder: str, tree=None, lookup: int | None = 0) -> Deco
   """`mtp.generate` (it compiles and warms up before its timed batches); with decoder 'auto',
   tree=None and lookup=None, the library's defaults."""
   import mtp
-  draft_vocab = FLAGS.draft_vocab if decoder != 'autoregressive' and FLAGS.draft_vocab else None
+  draft_vocab = FLAGS.draft_vocab if decoder != 'autoregressive' else None
 
   def run(texts, ids, batch_size):
     del ids

@@ -59,9 +59,11 @@ flags.DEFINE_integer('lookup', None, 'Drafting decoders, greedy: add a chain of 
                      'prompt-lookup drafts (copies of what followed the text\'s last tokens '
                      'before) to the tree. Default: 8 for auto (verified only where they look '
                      'likely to pass), 0 otherwise.')
-flags.DEFINE_integer('draft_vocab', 0, 'Drafting decoders: the heads draft over only the N most '
-                     'frequent token ids of the training data (FR-Spec; counted once, cached in '
-                     'the workdir); 0 = the whole vocabulary. Output is unchanged.')
+flags.DEFINE_integer('draft_vocab', None, 'Drafting decoders: the heads draft over only the N '
+                     'most frequent token ids of the training data (FR-Spec; counted once, cached '
+                     'in the workdir); 0 = the whole vocabulary. Default: 8192 for auto when the '
+                     'vocabulary holds at least 32,768 ids, else the whole vocabulary. Output is '
+                     'unchanged.')
 flags.DEFINE_string('output', None, 'JSONL file to write (default: stdout).')
 flags.DEFINE_bool('stream', False, 'Print completions as tokens are accepted.')
 flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps per host round trip when streaming.')

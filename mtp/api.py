@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -45,6 +46,20 @@ class LoadedModel:
   config: ml_collections.ConfigDict
   step: int
   workdir: epath.Path
+  # `prepared()`'s copy and the weights it was made from.
+  _prepared: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+  _prepared_from: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
+
+  def prepared(self) -> state_lib.PreparedModel:
+    """`model` prepared for decoding (`state.prepare`: on CPU a copy with fused projections),
+    made once and kept while `model` holds the same weight arrays; a new model or a replaced
+    weight prepares again. (Preparing SmolLM2 copies about 280 MB of projections.)"""
+    leaves = tuple(jax.tree.leaves(nnx.state(self.model)))
+    if (self._prepared is None or len(leaves) != len(self._prepared_from)
+        or any(a is not b for a, b in zip(leaves, self._prepared_from))):
+      self._prepared = state_lib.prepare(self.model)
+      self._prepared_from = leaves
+    return self._prepared
 
 
 def load(workdir: str | os.PathLike, step: int | None = None,
@@ -203,8 +218,10 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
     draft_vocab: drafting decoders: the heads draft over only the N most frequent token ids
       of the training data (FR-Spec; counted once and cached in the workdir,
       `draft_vocabulary`), a cheaper projection than the whole vocabulary's; drafts of other
-      ids are lost, output is unchanged (verification reads the whole vocabulary). None or 0:
-      the whole vocabulary.
+      ids are lost, output is unchanged (verification reads the whole vocabulary). 0: the
+      whole vocabulary. None: the decoder's default (`decoders.default_draft_vocab`): 8,192
+      ids for 'auto' when the vocabulary holds at least 32,768 (where the training corpus can
+      be read; else the whole vocabulary), the whole vocabulary otherwise.
 
   Returns:
     One `Generation` per prompt, in order.
@@ -244,26 +261,32 @@ def generate(loaded_or_workdir: LoadedModel | str | os.PathLike, prompts: str | 
   padded, lengths = request_lib.check_prompts(
       padded, lengths, max_new_tokens=max_new_tokens, vocab_size=cfg.vocab_size,
       max_seq_len=cfg.max_seq_len, eos_id=tokenizer.eos_id)
+  draft_vocab_size = decoders.default_draft_vocab(decoder, draft_vocab, cfg.vocab_size,
+                                                  model.mtp_num_heads)
   options = dict(max_new_tokens=max_new_tokens, decoder=decoder, lookup=lookup,
                  temperature=temperature, top_k=top_k, top_p=top_p,
-                 draft_vocab_size=0 if draft_vocab is None else draft_vocab,
-                 **_emittable(tokenizer, model.cfg))
+                 draft_vocab_size=draft_vocab_size, **_emittable(tokenizer, model.cfg))
   measures = spec.drafts and (tree in ('auto', 'dynamic') if isinstance(tree, str)
                               else spec.adaptive and tree is None)
-  if measures or draft_vocab:
+  if measures or draft_vocab_size:
     # 'auto' and 'dynamic' trees (and the 'auto' decoder's default) measure the heads and the
     # hardware (compiling the model), a draft vocabulary counts the corpus: check the rest
     # first.
     request_lib.make_request(model.cfg, padded.shape[1], **options)
+  special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  if draft_vocab_size:
+    ids = (draft_vocabulary(loaded, draft_vocab_size) if draft_vocab is not None
+           else _default_draft_vocabulary(loaded, draft_vocab_size))
+    if ids is None:
+      options['draft_vocab_size'] = 0
+    else:
+      special['draft_vocab'] = ids
   tree, tree_budget = resolve_tree(loaded, tree, decoder=decoder, batch_size=batch_size,
                                    tree_budget=tree_budget)
   request = request_lib.make_request(model.cfg, padded.shape[1], tree=tree,
                                      tree_budget=tree_budget, **options)
-  special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-  if request.draft_vocab_size:
-    special['draft_vocab'] = draft_vocabulary(loaded, request.draft_vocab_size)
 
-  prepared = state_lib.prepare(model)
+  prepared = loaded.prepared()
   batches = _batches(padded, lengths, batch_size)
 
   # Compile and warm up: the prefill and one loop step (the step count is not compiled in).
@@ -509,7 +532,6 @@ def _adaptive_default_tree(loaded: LoadedModel, batch_size: int):
   try:
     head_accuracies(loaded)
   except (OSError, ValueError) as e:
-    import logging
     logging.info('auto: no measured head accuracies (%s); the heads draft a chain', e)
     return None
   return _tree(loaded, 'auto', batch_size)
@@ -532,6 +554,18 @@ def draft_vocabulary(loaded: LoadedModel, size: int) -> np.ndarray:
                                  limit=emittable['vocab_limit'])
 
 
+def _default_draft_vocabulary(loaded: LoadedModel, size: int) -> np.ndarray | None:
+  """`draft_vocabulary(loaded, size)`, or None (the whole vocabulary, logged) where the training
+  corpus that it counts cannot be read here: a decoder's default must not fail a request."""
+  try:
+    return draft_vocabulary(loaded, size)
+  except (OSError, ValueError) as e:
+    logging.warning('Drafting over the whole vocabulary: the default draft vocabulary of %d ids '
+                    'counts the training corpus, which cannot be read here (%s: %s).', size,
+                    type(e).__name__, e)
+    return None
+
+
 def head_accuracies(loaded: LoadedModel, num_prompts: int = 8, top_k: int = 4) -> np.ndarray:
   """[D, R] measured top-k accuracies of the heads (see `decode.calibration`), cached.
 
@@ -540,7 +574,6 @@ def head_accuracies(loaded: LoadedModel, num_prompts: int = 8, top_k: int = 4) -
   `workdir/head_accuracies.json`. That file is only a cache: when it is unreadable or its entry
   is malformed, a warning names it and the accuracies are measured again and written over it.
   """
-  import logging
   from mtp.data import corpora
   from mtp.decode import calibration
   path = loaded.workdir / _ACCURACIES_FILE

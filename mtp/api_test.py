@@ -208,3 +208,54 @@ def test_chat_renders_the_template_and_reads_its_markers_as_special_ids(workdir)
   (same,) = mtp.generate(chatty, rendered, max_new_tokens=6, decoder='autoregressive',
                          special_tokens=True)
   assert reply.tokens == same.tokens
+
+
+def test_auto_drafts_over_its_default_draft_vocabulary_where_the_corpus_counts(
+    workdir, tmp_path, monkeypatch, caplog):
+  import dataclasses
+  from mtp.decode import decoders
+  # The tiny model's 264 ids stand for a large vocabulary: auto's default is 16 ids here.
+  monkeypatch.setitem(decoders.DECODERS, 'auto',
+                      dataclasses.replace(decoders.get('auto'), draft_vocab=16))
+  loaded = dataclasses.replace(mtp.load(workdir), workdir=tmp_path)  # Counted afresh there.
+  for name in ('head_accuracies.json',):  # The measured tree, as the fixture's workdir has it.
+    if (workdir / name).exists():
+      shutil.copy(workdir / name, tmp_path / name)
+  calls = []
+  real = mtp.api.draft_vocabulary
+  monkeypatch.setattr(mtp.api, 'draft_vocabulary',
+                      lambda loaded, size: calls.append(size) or real(loaded, size))
+  [ar] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, decoder='autoregressive')
+  [auto] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree=None, lookup=0)
+  assert auto.tokens == ar.tokens and calls == [16]
+  assert (tmp_path / 'token_counts.npy').exists()
+  [whole] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, lookup=0, draft_vocab=0)
+  assert whole.tokens == ar.tokens and calls == [16]  # 0 names the whole vocabulary.
+
+  def unreadable(loaded, size):
+    raise FileNotFoundError('no such corpus')
+  monkeypatch.setattr(mtp.api, 'draft_vocabulary', unreadable)
+  with caplog.at_level('WARNING'):
+    [fallback] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, lookup=0)
+  assert fallback.tokens == ar.tokens
+  assert 'Drafting over the whole vocabulary' in caplog.text and 'no such corpus' in caplog.text
+  with pytest.raises(FileNotFoundError, match='no such corpus'):  # Named by the caller: raised.
+    mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, lookup=0, draft_vocab=16)
+
+
+def test_a_loaded_model_is_prepared_once_until_its_weights_change(workdir, monkeypatch):
+  from mtp.decode import state as state_lib
+  loaded = mtp.load(workdir)
+  made = []
+  real = state_lib.PreparedModel.__init__
+  monkeypatch.setattr(state_lib.PreparedModel, '__init__',
+                      lambda self, *a, **k: made.append(1) or real(self, *a, **k))
+  first = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=4, decoder='autoregressive')
+  again = mtp.generate(loaded, PROMPTS[:2], max_new_tokens=4, decoder='speculative')
+  assert made == [1] and loaded.prepared() is loaded.prepared()
+  # A replaced weight (arrays are immutable: an update is a new array) prepares again.
+  embedding = loaded.model.trunk.embedding.embedding
+  embedding.value = embedding.value + 0
+  third = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=4, decoder='autoregressive')
+  assert made == [1, 1]
+  assert first[0].tokens == third[0].tokens == again[0].tokens

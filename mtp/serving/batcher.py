@@ -34,7 +34,6 @@ import numpy as np
 from mtp.decode import decoders
 from mtp.decode import driver
 from mtp.decode import request as request_lib
-from mtp.decode import state as state_lib
 from mtp.decode import streaming
 from mtp.serving import schemas
 
@@ -147,7 +146,7 @@ class Batcher:
                                decoder='speculative', tree=tree, tree_budget=self.tree_budget)
     self.tokenizer = loaded.tokenizer
     self.model_cfg = loaded.model.cfg
-    self.prepared = state_lib.prepare(loaded.model)
+    self.prepared = loaded.prepared()
     self.max_batch, self.max_wait = int(max_batch), max_wait_ms / 1000
     self.max_queue, self.exact = int(max_queue), exact
     self.steps_per_chunk = steps_per_chunk
