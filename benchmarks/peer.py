@@ -102,14 +102,9 @@ SPECULATIVE = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP, MTP_AUTO)
 # Prompts.
 # ------------------------------------------------------------------------------------------
 
-def code_prompts(tokenizer) -> list[str]:
-  """The first lines of code of held-out files (absl, ml_collections), as in benchmarks.decode."""
-  return heldout_prompts.code(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens)
-
-
-def prose_prompts(tokenizer) -> list[str]:
-  """Whole sentences of installed packages' READMEs (`heldout_prompts.prose`)."""
-  return heldout_prompts.prose(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens)
+def prompts_of_kind(kind: str, tokenizer) -> list[str]:
+  """--num_prompts held-out prompts of that kind within --prompt_tokens (`heldout_prompts`)."""
+  return heldout_prompts.of_kind(kind, tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens)
 
 
 # ------------------------------------------------------------------------------------------
@@ -428,13 +423,11 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
 def prepare_prompts(tokenizer, hf_tokenizer):
   """Prompt texts of each kind, cut by mtp's tokenizer, and their ids by each tokenizer."""
-  prompts = {'code': code_prompts(tokenizer), 'prose': prose_prompts(tokenizer)}
+  prompts = {kind: prompts_of_kind(kind, tokenizer) for kind in KINDS}
   hf_ids = {kind: [hf_tokenizer(p, add_special_tokens=False)['input_ids'] for p in texts]
             for kind, texts in prompts.items()}
   mtp_ids = {kind: tokenizer.encode_batch(texts) for kind, texts in prompts.items()}
   for kind in KINDS:
-    if not prompts[kind]:
-      raise ValueError(f'no {kind} prompts of at least {FLAGS.prompt_tokens // 2} tokens found')
     lengths = [len(ids) for ids in mtp_ids[kind]]
     print(f'{len(lengths)} {kind} prompts of {min(lengths)}-{max(lengths)} tokens', flush=True)
   return prompts, hf_ids, mtp_ids

@@ -38,7 +38,7 @@ def test_plain_prose_filter():
 def test_prose_prompts_are_whole_sentences_within_budget():
   _parse(['--num_prompts=3', '--prompt_tokens=48'])
   tokenizer = tokenizer_lib.byte_tokenizer()
-  prompts = peer.prose_prompts(tokenizer)
+  prompts = peer.prompts_of_kind('prose', tokenizer)
   assert prompts and prompts == heldout_prompts.of_kind('prose', tokenizer, 3, 48)
   for prompt in prompts:
     assert 24 <= len(tokenizer.encode(prompt)) <= 48

@@ -61,9 +61,11 @@ flags.DEFINE_integer('lookup', None, 'Drafting decoders, greedy: add a chain of 
                      'likely to pass), 0 otherwise.')
 flags.DEFINE_integer('draft_vocab', None, 'Drafting decoders: the heads draft over only the N '
                      'most frequent token ids of the training data (FR-Spec; counted once, cached '
-                     'in the workdir); 0 = the whole vocabulary. Default: 8192 for auto when the '
-                     'vocabulary holds at least 32,768 ids, else the whole vocabulary. Output is '
-                     'unchanged.')
+                     'in the workdir); 0 = the whole vocabulary. Default: ' + '; '.join(
+                         f'{d.draft_vocab} for {d.name} when the vocabulary holds at least '
+                         f'{d.draft_vocab * decoders.LARGE_VOCAB_FACTOR} ids'
+                         for d in decoders.DECODERS.values() if d.draft_vocab) +
+                     ', else the whole vocabulary. Output is unchanged.')
 flags.DEFINE_string('output', None, 'JSONL file to write (default: stdout).')
 flags.DEFINE_bool('stream', False, 'Print completions as tokens are accepted.')
 flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps per host round trip when streaming.')
