@@ -2,13 +2,19 @@
 
 Names follow the field where one exists: `mtp_loss_scaling_factor` and `mtp_num_heads` as in
 MaxText, the per-head decay `mtp_head_weight_decay` (w_k = decay**k for k = 1..K) as in Medusa
-(0.8), `medusa_num_layers` for the number of ResBlocks per Medusa head. Attention heads are
-`model.num_attention_heads` (query) and `model.num_kv_heads` (key/value); "heads" alone means
-the multi-token prediction heads. Configs saved with the old key `model.num_heads` (attention
-heads) still load (`mtp.model.mtp_model.upgrade_legacy_config`).
+(0.8). Attention heads are `model.num_attention_heads` (query) and `model.num_kv_heads`
+(key/value); "heads" alone means the multi-token prediction heads. Configs saved with the old
+key `model.num_heads` (attention heads) still load (`mtp.model.mtp_model.upgrade_legacy_config`).
+
+A head family's own options are `model` keys too, named and documented by the family (`OPTIONS`
+in mtp/model/heads/<name>.py). This file copies their defaults from the registry rather than
+repeating them, so that a new family's options exist here, and on the command line, without
+an edit.
 """
 
 import ml_collections
+
+from mtp.model import heads
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -73,18 +79,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dtype = 'float32'        # activations; 'bfloat16' on accelerators
   c.model.param_dtype = 'float32'
   c.model.mtp_num_heads = 4        # heads predicting t+2 .. t+1+K
-  # The head family, a name registered in mtp.model.heads.FAMILIES: 'medusa' | 'parallel' |
-  # 'sequential' | 'eagle'. A family's own options are model keys too:
+  # The head family: a name registered in mtp.model.heads.FAMILIES ('medusa', 'eagle', ...).
   c.model.mtp_head_type = 'medusa'
-  c.model.medusa_num_layers = 1    # medusa: ResBlocks per head
-  # eagle: weight of the feature regression (smooth L1, drafter vs trunk features) beside the
-  # heads' token loss (EAGLE's 1.0 against 0.1 for tokens would be 10 here); 1 measured best of
-  # 0, 1 and 10 (benchmarks/drafters.py, see mtp/model/heads/eagle.py).
-  c.model.eagle_feature_loss_weight = 1.0
-  # eagle: what depths >= 2 read in training: 'drafted' (their own predicted features, as in
-  # drafting) or 'trunk' (the trunk's: depth 1 alone is trained, EAGLE-1; cheaper, and measured
-  # as good at depths 1-2, a little worse deeper).
-  c.model.eagle_train_features = 'drafted'
+  # Every family's own options (e.g. --config.model.<option>=...), with the family's defaults;
+  # their comments stand beside the family's `OPTIONS`.
+  for family in heads.FAMILIES.values():
+    c.model.update(family.OPTIONS)
   # Recompute activations in the backward pass: 'none' | 'heads' (the heads' layers) | 'full'
   # (trunk blocks too) | 'dots_saveable' (trunk blocks keep their matmul outputs, recompute the
   # rest; heads as 'heads'). Measured on CPU (benchmarks/scan_compile.py): with scan_layers,

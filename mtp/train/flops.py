@@ -12,10 +12,9 @@ trains. Counted per global batch of B rows of T tokens:
     square and masks it, which `attention='full'` counts (to compare with XLA). Packing several
     documents into a row masks more pairs but computes the same square, so packing does not
     change either count;
-  * heads (`mtp.model.heads`): medusa, K x `medusa_num_layers` D x D ResBlocks; parallel, one
-    transformer layer each; sequential, a 2D -> D projection and one transformer layer each;
-    eagle, its 2D -> D projection and one shared layer run once per depth (K times, attending
-    to the earlier depths' keys too) or once (`eagle_train_features='trunk'`);
+  * heads (`mtp.model.heads`): each family counts its own forward pass
+    (`HeadFamily.train_flops`: its matmuls, its attention, and what remat recomputes of them),
+    with the layer counts of `mtp.model.flops` that this module counts the trunk with;
   * output layer: the shared D x V unembedding over every row that reaches the loss: B*T for the
     next token plus K*B*(T / mtp_head_loss_stride) for the heads. The fused loss computes the
     logits, the input gradient and the weight gradient of each chunk once (3x the forward), or
@@ -36,12 +35,19 @@ so no backward pass is computed through it), and with `distill.cache_trunk_state
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping
+from typing import Mapping
 
 import ml_collections
 
+from mtp.model import flops as model_flops
 from mtp.model import mtp_model
-from mtp.model import transformer
+
+# The layer counts and the head families' error, where the families (which must not import
+# mtp.train) find them; re-exported for this module's callers.
+AttentionCount = model_flops.AttentionCount
+UnknownHeadFamily = model_flops.UnknownHeadFamily
+block_matmul_flops = model_flops.block_matmul_flops
+attention_flops = model_flops.attention_flops
 
 # Peak dense bf16 matmul throughput per chip (one JAX device), TFLOP/s, keyed by
 # `jax.devices()[0].device_kind` as JAX reports it. TPU kinds are those JAX's own Pallas TPU
@@ -68,13 +74,6 @@ PEAK_TFLOPS_BY_GPU_PREFIX: Mapping[str, float] = {
     'NVIDIA H100 NVL': 835.0,
     'NVIDIA H200': 989.0,
 }
-
-AttentionCount = Literal['causal', 'full']
-
-
-class UnknownHeadFamily(ValueError):
-  """A head family this module has no FLOP count for."""
-
 
 def peak_tflops(device_kind: str) -> float | None:
   """The chip's peak dense bf16 TFLOP/s, or None when it is not in the tables (CPU, others)."""
@@ -114,54 +113,13 @@ class StepFlops:
     return self.total / self.tokens
 
 
-def block_matmul_flops(cfg: transformer.TransformerConfig, tokens: int) -> float:
-  """Forward FLOPs of one transformer layer's projections and MLP over `tokens` tokens."""
-  d, hd = cfg.embed_dim, cfg.head_dim
-  q_width, kv_width = cfg.num_attention_heads * hd, cfg.num_kv_heads * hd
-  per_token = d * q_width + 2 * d * kv_width + q_width * d + 3 * d * cfg.mlp_dim
-  return 2.0 * per_token * tokens
-
-
-def attention_flops(cfg: transformer.TransformerConfig, batch_size: int, seq_len: int,
-                    count: AttentionCount = 'causal') -> float:
-  """Forward FLOPs of one layer's attention scores and values over B rows of T tokens."""
-  pairs = seq_len * (seq_len + 1) / 2 if count == 'causal' else float(seq_len * seq_len)
-  # Scores and values: 2 FLOPs per multiply-add, head_dim each, for every query head.
-  return 2 * 2.0 * batch_size * cfg.num_attention_heads * cfg.head_dim * pairs
-
-
 def _head_forward(model_cfg: mtp_model.ModelConfig, batch_size: int, seq_len: int,
-                  count: AttentionCount) -> tuple[float, float, float]:
-  """(matmul FLOPs, attention FLOPs, FLOPs remat recomputes) of the heads' forward pass."""
-  cfg, k = model_cfg.trunk, model_cfg.mtp_num_heads
-  tokens = batch_size * seq_len
-  if not k:
-    return 0.0, 0.0, 0.0
-  kind = model_cfg.mtp_head_type
-  if kind == 'medusa':
-    layers = model_cfg.options['medusa_num_layers']
-    return k * layers * 2.0 * cfg.embed_dim * cfg.embed_dim * tokens, 0.0, 0.0
-  block = block_matmul_flops(cfg, tokens)
-  attention = k * attention_flops(cfg, batch_size, seq_len, count)
-  if kind == 'parallel':
-    return k * block, attention, k * block + attention
-  projection = 2.0 * (2 * cfg.embed_dim) * cfg.embed_dim * tokens  # [2D] -> [D]
-  if kind == 'sequential':
-    return k * (projection + block), attention, k * block + attention
-  if kind == 'eagle':
-    if model_cfg.options['eagle_train_features'] == 'trunk':  # Depth 1 only, then shifted.
-      attention = attention_flops(cfg, batch_size, seq_len, count)
-      return projection + block, attention, block + attention
-    # Every depth runs the shared layer over all T positions. Depth d's queries attend to depth
-    # 1's keys causally and to one key of each earlier depth; the program scores them against
-    # all K*T keys of its buffer.
-    per_depth = [attention_flops(cfg, batch_size, seq_len, count) +
-                 (4.0 * batch_size * cfg.num_attention_heads * cfg.head_dim * seq_len
-                  * ((d - 1) if count == 'causal' else (k - 1) * seq_len))
-                 for d in range(1, k + 1)]
-    return k * (projection + block), sum(per_depth), 0.0  # Not rematerialised.
-  raise UnknownHeadFamily(f'No FLOP count for model.mtp_head_type {kind!r}; add its family to '
-                          'mtp/train/flops.py.')
+                  count: AttentionCount) -> model_flops.HeadFlops:
+  """The heads' forward FLOPs, counted by their family (nothing without heads)."""
+  if not model_cfg.mtp_num_heads:
+    return model_flops.HeadFlops(0.0, 0.0, 0.0)
+  return model_cfg.family.train_flops(model_cfg.trunk, model_cfg.mtp_num_heads,
+                                      model_cfg.options, batch_size, seq_len, count)
 
 
 def train_step_flops(config: ml_collections.ConfigDict,
@@ -174,7 +132,8 @@ def train_step_flops(config: ml_collections.ConfigDict,
       'full' the T x T square the program computes.
 
   Raises:
-    ValueError: an unknown attention count or head family.
+    ValueError: an unknown attention count or head family; `UnknownHeadFamily` (a ValueError)
+      for a family without a count.
   """
   if attention not in ('causal', 'full'):
     raise ValueError(f"attention must be 'causal' or 'full', got {attention!r}.")

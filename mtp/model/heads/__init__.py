@@ -16,6 +16,8 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
     logits [depth, B, V] at the run's last accepted token (or [depth, B, N] over a draft
     vocabulary's N ids, FR-Spec, when given one: project through `DraftProjection`);
   * an optional feature-regression loss beside the token loss (`feature_loss_weight`);
+  * the FLOPs of its training forward (`train_flops`), from which `mtp.train.flops` reports
+    a run's TFLOP/s and MFU;
   * its serving format (`hf_export`, optional): what `mtp.export.hf` writes for it beside the
     Hugging Face Llama directory of the trunk (`HFExport`); None if it has none. Its inverse,
     `hf_import`, finds the family's heads in such a directory for `import_weights`.
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.model import flops
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 from mtp.model.heads.legacy import is_legacy_tree, upgrade_legacy_tree  # noqa: F401  (the API)
@@ -166,6 +169,29 @@ class HeadFamily(nnx.Module):
   @classmethod
   def validate_options(cls, options: Mapping[str, Any]) -> None:
     """Raises ValueError naming the config key of a bad option (`model.<key>`)."""
+
+  @classmethod
+  def train_flops(cls, trunk_cfg: transformer.TransformerConfig, num_heads: int,
+                  options: Mapping[str, Any], batch_size: int, seq_len: int,
+                  count: flops.AttentionCount = 'causal') -> flops.HeadFlops:
+    """Forward FLOPs of K = num_heads heads' training pass (`__call__`) over B rows of T tokens.
+
+    Count as `mtp.train.flops` does (its docstring): the matrix products only, 2 FLOPs per
+    multiply-add; `flops.block_matmul_flops` and `flops.attention_flops` count a transformer
+    layer. `mtp.train.flops` adds the backward passes.
+
+    Args:
+      trunk_cfg, num_heads, options: as `__init__` receives them.
+      batch_size, seq_len: B and T.
+      count: 'causal' or 'full' attention (`flops.AttentionCount`).
+
+    Raises:
+      flops.UnknownHeadFamily: the family has no count (this default).
+    """
+    del trunk_cfg, num_heads, options, batch_size, seq_len, count
+    name = next((name for name, family in FAMILIES.items() if family is cls), cls.__qualname__)
+    raise flops.UnknownHeadFamily(f'No FLOP count for head family {name!r} ({cls.__module__}): '
+                                  'it does not implement HeadFamily.train_flops.')
 
   @property
   def num_cache_layers(self) -> int:

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
@@ -125,11 +126,13 @@ def shift_left(x: Array, shift: int) -> Array:
 class EagleDrafter(heads.HeadFamily):
   """One EAGLE layer (`layers[0]`) and its input projection `fc`, drafting K tokens."""
   OPTIONS = {
-      # Weight of the smooth-L1 feature regression beside the heads' token loss (EAGLE: 1.0
-      # against 0.1 for the tokens, i.e. 10x).
+      # Weight of the smooth-L1 feature regression (drafter vs trunk features) beside the heads'
+      # token loss. EAGLE's 1.0 against 0.1 for the tokens would be 10 here; 1 measured best of
+      # 0, 1 and 10 (benchmarks/drafters.py, see the module docstring).
       'eagle_feature_loss_weight': 1.0,
-      # What depths >= 2 read in training: their own predicted features ('drafted') or the
-      # trunk's ('trunk', EAGLE-1: depth 1 only).
+      # What depths >= 2 read in training: their own predicted features ('drafted', as in
+      # drafting) or the trunk's ('trunk': depth 1 alone is trained, EAGLE-1; cheaper, and
+      # measured as good at depths 1-2, a little worse deeper).
       'eagle_train_features': 'drafted',
   }
 
@@ -159,6 +162,26 @@ class EagleDrafter(heads.HeadFamily):
   @property
   def num_cache_layers(self) -> int:
     return 1
+
+  @classmethod
+  def train_flops(cls, trunk_cfg, num_heads, options, batch_size, seq_len, count='causal'):
+    """Its 2D -> D projection and its layer, run once per depth (K times, each depth attending
+    to the earlier depths' keys too), or once with `eagle_train_features='trunk'`."""
+    tokens = batch_size * seq_len
+    projection = sequential.projection_flops(trunk_cfg, tokens)
+    block = flops.block_matmul_flops(trunk_cfg, tokens)
+    if options['eagle_train_features'] == 'trunk':  # Depth 1 only, then shifted.
+      attention = flops.attention_flops(trunk_cfg, batch_size, seq_len, count)
+      return flops.HeadFlops(projection + block, attention, block + attention)
+    # Every depth runs the shared layer over all T positions. Depth d's queries attend to depth
+    # 1's keys causally and to one key of each earlier depth; the program scores them against
+    # all K*T keys of its buffer.
+    k, cfg = num_heads, trunk_cfg
+    per_depth = [flops.attention_flops(cfg, batch_size, seq_len, count) +
+                 (4.0 * batch_size * cfg.num_attention_heads * cfg.head_dim * seq_len
+                  * ((d - 1) if count == 'causal' else (k - 1) * seq_len))
+                 for d in range(1, k + 1)]
+    return flops.HeadFlops(k * (projection + block), sum(per_depth), 0.0)  # Not rematerialised.
 
   @property
   def feature_loss_weight(self) -> float:

@@ -1,16 +1,24 @@
 """The registry and the protocol: a family registered in one line trains and drafts through
-MTPModel, which never names a family."""
+MTPModel, has its FLOPs counted and its options in every config, and nothing outside its module
+names it."""
+
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import flags
 from flax import nnx
+from ml_collections import config_flags
 
+from configs import base
+from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.model import transformer
+from mtp.train import flops as train_flops
 
 
 class ScaledHeads(heads.HeadFamily):
@@ -26,6 +34,13 @@ class ScaledHeads(heads.HeadFamily):
     if options['scaled_start'] <= 0:
       raise ValueError(f'model.scaled_start must be > 0, got {options["scaled_start"]}.')
 
+  @classmethod
+  def train_flops(cls, trunk_cfg, num_heads, options, batch_size, seq_len, count='causal'):
+    # Its scaling is elementwise work, which model FLOPs leave out; it counts one FLOP per value
+    # all the same, so that the tests see its own count arrive.
+    values = num_heads * batch_size * seq_len * trunk_cfg.embed_dim
+    return flops.HeadFlops(matmul=float(values), attention=0.0, remat_recompute=0.0)
+
   def __call__(self, trunk, hidden, normed, tokens, positions, mask):
     return [norm(normed * (self.start + k)) for k, norm in enumerate(self.layers)]
 
@@ -36,6 +51,10 @@ class ScaledHeads(heads.HeadFamily):
     normed = kv_cache_lib.gather_rows(features['normed'], last_index)
     return trunk.logits(jnp.stack([self.layers[k](normed * (self.start + k))
                                    for k in range(depth)])), cache
+
+
+class UncountedHeads(heads.HeadFamily):
+  """A family that implements no FLOP count (the rest does not matter here)."""
 
 
 @pytest.fixture
@@ -76,3 +95,32 @@ def test_a_family_checks_its_own_options(scaled_registered):
                               mtp_head_type='scaled', head_options=(('scaled_start', 0.0),))
   with pytest.raises(ValueError, match='model.scaled_start must be > 0'):
     cfg.validate()
+
+
+def test_a_registered_family_counts_its_own_flops(scaled_registered):
+  config = base.get_config()
+  config.model.mtp_head_type = 'scaled'
+  counted = train_flops.train_step_flops(config)
+  m, b, t = config.model, config.data.batch_size, config.data.seq_len
+  assert counted.heads == 3 * m.mtp_num_heads * b * t * m.embed_dim  # Forward and backward.
+  assert counted.remat_recompute == 0
+
+
+def test_a_family_without_a_flop_count_is_named(monkeypatch):
+  monkeypatch.setitem(heads.FAMILIES, 'uncounted', UncountedHeads)
+  config = base.get_config()
+  config.model.mtp_head_type = 'uncounted'
+  with pytest.raises(train_flops.UnknownHeadFamily, match="head family 'uncounted'"):
+    train_flops.train_step_flops(config)
+
+
+def test_a_registered_family_options_are_config_keys_with_its_defaults(scaled_registered):
+  assert base.get_config().model.scaled_start == 1.0
+  # And flags override them, as they override every family's.
+  argv = ['train', f'--config={pathlib.Path(base.__file__)}', '--config.model.scaled_start=3.0',
+          '--config.model.medusa_num_layers=2']
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', flag_values=flag_values, sys_argv=argv)
+  flag_values(argv)
+  assert flag_values.config.model.scaled_start == 3.0
+  assert flag_values.config.model.medusa_num_layers == 2

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
@@ -65,6 +66,12 @@ class MedusaHeads(heads.HeadFamily):
     if options['medusa_num_layers'] < 1:
       raise ValueError(
           f'model.medusa_num_layers must be >= 1, got {options["medusa_num_layers"]}.')
+
+  @classmethod
+  def train_flops(cls, trunk_cfg, num_heads, options, batch_size, seq_len, count='causal'):
+    """K x `medusa_num_layers` D x D ResBlocks over every token; no attention, no remat."""
+    layers, d, tokens = options['medusa_num_layers'], trunk_cfg.embed_dim, batch_size * seq_len
+    return flops.HeadFlops(num_heads * layers * 2.0 * d * d * tokens, 0.0, 0.0)
 
   def __call__(self, trunk, hidden, normed, tokens, positions, mask) -> list[Array]:
     return [head(normed) for head in self.layers]

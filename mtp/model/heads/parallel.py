@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
@@ -59,6 +60,13 @@ class ParallelHeads(heads.HeadFamily):
   @property
   def num_cache_layers(self) -> int:
     return len(self.layers)
+
+  @classmethod
+  def train_flops(cls, trunk_cfg, num_heads, options, batch_size, seq_len, count='causal'):
+    """One transformer layer per head, which remat recomputes whole."""
+    block = num_heads * flops.block_matmul_flops(trunk_cfg, batch_size * seq_len)
+    attention = num_heads * flops.attention_flops(trunk_cfg, batch_size, seq_len, count)
+    return flops.HeadFlops(block, attention, block + attention)
 
   def _run(self, hidden, positions, mask, cache=None, lengths=None, first_layer=0):
     """hidden [B, T, D] -> (K normalised outputs [B, T, D], updated (keys, values) per head)."""

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
@@ -70,6 +71,11 @@ def shifted_embeddings(embeds: Array, num_heads: int) -> list[Array]:
   return out
 
 
+def projection_flops(cfg: transformer.TransformerConfig, tokens: int) -> float:
+  """Forward FLOPs of the [2D] -> [D] projection of [hidden; embedding] over `tokens`."""
+  return 2.0 * (2 * cfg.embed_dim) * cfg.embed_dim * tokens
+
+
 class SequentialHeads(heads.HeadFamily):
   """K chained MTP modules; module k sees the embedding of token t+k."""
 
@@ -80,6 +86,16 @@ class SequentialHeads(heads.HeadFamily):
   @property
   def num_cache_layers(self) -> int:
     return len(self.layers)
+
+  @classmethod
+  def train_flops(cls, trunk_cfg, num_heads, options, batch_size, seq_len, count='causal'):
+    """A 2D -> D projection and one transformer layer per module; remat recomputes the layers
+    (`transformer.call_block`), not the projections."""
+    tokens = batch_size * seq_len
+    block = flops.block_matmul_flops(trunk_cfg, tokens)
+    attention = num_heads * flops.attention_flops(trunk_cfg, batch_size, seq_len, count)
+    return flops.HeadFlops(num_heads * (projection_flops(trunk_cfg, tokens) + block), attention,
+                           num_heads * block + attention)
 
   def __call__(self, trunk, hidden, normed, tokens, positions, mask) -> list[Array]:
     outputs, h = [], hidden
