@@ -5,6 +5,13 @@ into slots [length, length + T) of each row and attends to the committed slots p
 block (through a block mask, so tree candidates see only their ancestors). Slots at or past the
 committed length are scratch: rewinding a row is lowering its length, and accepting a path of
 candidates is copying their slots to the front of the scratch area (`compact`).
+
+Attention over the cache (`attend`) visits it in fixed chunks of `CHUNK` slots, only as many
+as the longest row has filled, with an online softmax. Two things follow: a step costs in
+proportion to the context, not to the cache's capacity, and a row's result does not depend on
+the capacity at all (chunks past its length change nothing, bit for bit), so decoders whose
+caches differ in size (an offline call sized for its own tokens, a server's batch sized for
+its longest request) compute the same tokens. Capacities are multiples of `CHUNK`.
 """
 
 from __future__ import annotations
@@ -38,10 +45,21 @@ class KVCache:
     return self.keys[0].shape[0]
 
 
+# Slots `attend` reads at a time. 128 ran as fast as attention over the whole cache at full
+# occupancy on 2 CPU cores, and faster wherever the cache is partly empty.
+CHUNK = 128
+
+
+def round_capacity(capacity: int) -> int:
+  """`capacity` rounded up to a whole number of `CHUNK`s (at least one)."""
+  return max(1, -(-int(capacity) // CHUNK)) * CHUNK
+
+
 def init_cache(num_layers: int, batch_size: int, capacity: int, num_kv_heads: int,
                head_dim: int, dtype=jnp.float32) -> KVCache:
-  """Zero buffers for `num_layers` layers, each [batch_size, capacity, num_kv_heads, head_dim]."""
-  shape = (batch_size, capacity, num_kv_heads, head_dim)
+  """Zero buffers for `num_layers` layers, each [batch_size, S, num_kv_heads, head_dim], with
+  S = `round_capacity(capacity)` >= capacity slots."""
+  shape = (batch_size, round_capacity(capacity), num_kv_heads, head_dim)
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
   return KVCache(keys=zeros, values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 
@@ -78,3 +96,53 @@ def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
     return write_rows(buffer, nodes, lengths)
   return KVCache(keys=tuple(move(k) for k in cache.keys),
                  values=tuple(move(v) for v in cache.values))
+
+
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
+           block_mask: jax.Array) -> jax.Array:
+  """Attention of T new tokens over a layer's cache, chunk by chunk (see the module docstring).
+
+  Args:
+    q: [B, T, H, d] queries of the new tokens (rotary positions applied).
+    keys, values: [B, S, G, d] the layer's cache with the new tokens' entries already written
+      at slots [lengths, lengths + T); S a multiple of `CHUNK`; G divides H.
+    lengths: [B] committed slots per row: all of them are visible.
+    block_mask: [T, T] or [B, T, T]: which new tokens each new token sees (itself included).
+
+  Returns:
+    [B, T, H, d] in q's dtype (computed in float32).
+  """
+  b, t, h, d = q.shape
+  s, g = keys.shape[1], keys.shape[2]
+  if s % CHUNK:
+    raise ValueError(f'the cache holds {s} slots, not a multiple of {CHUNK} (init_cache)')
+  queries = q.reshape(b, t, g, h // g, d).astype(jnp.float32) * d ** -0.5
+  block_mask = jnp.broadcast_to(block_mask, (b, t, t))
+  lengths = lengths.astype(jnp.int32)
+
+  def chunk(i, carry):
+    top, total, acc = carry  # [B, G, R, T], [B, G, R, T], [B, G, R, T, d]
+    start = i * CHUNK
+    k = jax.lax.dynamic_slice_in_dim(keys, start, CHUNK, axis=1).astype(jnp.float32)
+    v = jax.lax.dynamic_slice_in_dim(values, start, CHUNK, axis=1).astype(jnp.float32)
+    relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
+    in_block = jnp.take_along_axis(
+        block_mask, jnp.broadcast_to(jnp.clip(relative, 0, t - 1)[:, None, :], (b, t, CHUNK)),
+        axis=2) & ((relative >= 0) & (relative < t))[:, None, :]
+    visible = (relative < 0)[:, None, :] | in_block  # [B, T, C]
+    scores = jnp.einsum('btgrd,bcgd->bgrtc', queries, k)
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+    shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+    # A chunk that no query sees leaves the carry exactly as it was (scale 1, p 0).
+    scale = jnp.exp(top - shift)
+    p = jnp.exp(scores - shift[..., None])
+    return (new_top, total * scale + jnp.sum(p, axis=-1),
+            acc * scale[..., None] + jnp.einsum('bgrtc,bcgd->bgrtd', p, v))
+
+  num_chunks = (jnp.max(lengths) + t + CHUNK - 1) // CHUNK
+  shape = (b, g, h // g, t)
+  carry = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,)))
+  _, total, acc = jax.lax.fori_loop(0, jnp.minimum(num_chunks, s // CHUNK), chunk, carry)
+  out = acc / total[..., None]
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q.dtype)

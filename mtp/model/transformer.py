@@ -124,26 +124,6 @@ def training_mask(segment_ids: Array) -> Array:
   return (causal[None] & same)[:, None]
 
 
-def cached_mask(lengths: Array, block_mask: Array, capacity: int) -> Array:
-  """[B, 1, T, S] mask for T new tokens written at slots [lengths, lengths + T) of each row.
-
-  Args:
-    lengths: [B] committed slots per row; all of them are visible.
-    block_mask: [T, T] or [B, T, T]: which new tokens each new token sees (itself included).
-    capacity: S, the cache size.
-  """
-  t = block_mask.shape[-1]
-  block_mask = jnp.broadcast_to(block_mask, (lengths.shape[0], t, t))
-  slots = jnp.arange(capacity)
-  relative = slots[None, :] - lengths[:, None]  # [B, S]
-  in_block = (relative >= 0) & (relative < t)
-  block_part = jnp.take_along_axis(
-      block_mask, jnp.broadcast_to(jnp.clip(relative, 0, t - 1)[:, None, :],
-                                   (lengths.shape[0], t, capacity)), axis=2)
-  committed = relative < 0
-  return (committed[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
-
-
 class Attention(nnx.Module):
   """Grouped-query self-attention with rotary positions and an optional KV cache."""
 
@@ -169,8 +149,11 @@ class Attention(nnx.Module):
     """Attends x [B, T, D] at `positions` [B, T].
 
     Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, S, G, H],
-    the new keys and values are written at slots `lengths` [B] onward and `mask` is
-    [B, 1, T, S]. Returns the output [B, T, D] and the updated (keys, values) or None.
+    the new keys and values are written at slots `lengths` [B] onward, and `mask` is either
+    the block mask, [T, T] or [B, T, T] (the cached path: every committed slot is visible, and
+    inside the new block what the mask allows; `kv_cache.attend`, whose result does not depend
+    on S), or a whole [B, 1, T, S] mask over the cache's slots. Returns the output [B, T, D]
+    and the updated (keys, values) or None.
     """
     cfg = self.cfg
     b, t, _ = x.shape
@@ -188,8 +171,11 @@ class Attention(nnx.Module):
     if cache is not None:
       keys = kv_cache_lib.write_rows(cache[0], k, lengths)
       values = kv_cache_lib.write_rows(cache[1], v, lengths)
-      k, v = keys.astype(q.dtype), values.astype(q.dtype)
       cache = (keys, values)
+      if mask.ndim < 4:
+        out = kv_cache_lib.attend(q, keys, values, lengths, mask)
+        return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
+      k, v = keys.astype(q.dtype), values.astype(q.dtype)
     out = jax.nn.dot_product_attention(q, k, v, mask=mask)
     return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
 
@@ -421,8 +407,7 @@ class Transformer(nnx.Module):
     t = tokens.shape[1]
     if block_mask is None:
       block_mask = jnp.tril(jnp.ones((t, t), bool))
-    mask = cached_mask(lengths, block_mask, cache.capacity)
-    x, updated = self._run_blocks(x, positions, mask, cache, lengths)
+    x, updated = self._run_blocks(x, positions, block_mask, cache, lengths)
     return x, replace_layers(cache, 0, updated)
 
   def _run_blocks(self, x, positions, mask, cache, lengths):

@@ -223,11 +223,10 @@ class EagleDrafter(heads.HeadFamily):
     project = heads.DraftProjection(trunk, vocab)
     t = features.shape[1]
     layer = self.layers[0]
-    capacity = cache.capacity
     # Depth 1 over the run: slot s reads f_s and x_{s+1} (scratch past last_index + 1, and
     # overwritten by the deeper depths or the next draft).
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    mask = transformer.cached_mask(lengths, heads.causal_mask(t), capacity)
+    mask = heads.causal_mask(t)
     x = self._input(trunk, tokens[:, 1:1 + t], features)
     h, layer_cache = layer(x, positions, mask, heads.layer_cache(cache, first_layer), lengths)
     feature = kv_cache_lib.gather_rows(h, last_index)  # [B, D]
@@ -239,8 +238,7 @@ class EagleDrafter(heads.HeadFamily):
       slot = slot + 1
       drafted = project.token_ids(jnp.argmax(logits[-1], axis=-1)).astype(tokens.dtype)
       x = self._input(trunk, drafted[:, None], feature[:, None])
-      h, layer_cache = layer(x, slot[:, None], transformer.cached_mask(
-          slot, heads.causal_mask(1), capacity), layer_cache, slot)
+      h, layer_cache = layer(x, slot[:, None], heads.causal_mask(1), layer_cache, slot)
       feature = h[:, 0]
       logits.append(project.logits(feature))
     return jnp.stack(logits), transformer.replace_layers(cache, first_layer, [layer_cache])

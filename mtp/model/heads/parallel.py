@@ -83,8 +83,7 @@ class ParallelHeads(heads.HeadFamily):
     return self._run(hidden, positions, mask)[0]
 
   def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer):
-    mask = transformer.cached_mask(lengths, block_mask, cache.capacity)
-    outputs, updated = self._run(hidden, positions, mask, cache, lengths, first_layer)
+    outputs, updated = self._run(hidden, positions, block_mask, cache, lengths, first_layer)
     features = jnp.stack(outputs, axis=2)  # [B, T, K, D]
     return features, transformer.replace_layers(cache, first_layer, updated)
 

@@ -191,8 +191,7 @@ class SequentialHeads(heads.HeadFamily):
     Returns:
       (h_k [B, T, D], normalised output [B, T, D], updated cache).
     """
-    mask = transformer.cached_mask(lengths, heads.causal_mask(next_tokens.shape[1]),
-                                   cache.capacity)
+    mask = heads.causal_mask(next_tokens.shape[1])
     layer = first_layer + index
     h, out, layer_cache = self.layers[index](
         hidden_prev, trunk.embed(next_tokens), positions, mask, heads.layer_cache(cache, layer),
