@@ -158,3 +158,43 @@ def test_fused_projections_compute_the_same_model(head_type, scan):
   assert transformer.fused_projections(fused) is not fused  # Fusing again changes nothing.
   np.testing.assert_allclose(transformer.fused_projections(fused)(tokens, positions),
                              fused(tokens, positions))
+
+
+def test_cached_steps_do_not_depend_on_the_cache_capacity():
+  """Attention visits the cache a chunk at a time, as far as the rows have filled it: a row's
+  prefill and its next step give the same bits whatever the capacity (a server's batch sized for
+  its longest request and an offline call sized for its own decode alike)."""
+  model = testing.tiny_model(0, mtp_num_heads=0)
+  prompt = jnp.asarray(testing.random_tokens((1, 40), 61, seed=3))
+  length = jnp.asarray([40], jnp.int32)
+
+  @jax.jit
+  def run(cache):
+    out, cache = model.step(prompt, jnp.arange(40)[None], cache, jnp.zeros((1,), jnp.int32),
+                            with_heads=False)
+    nxt, _ = model.step(jnp.asarray([[5, 6]]), length[:, None] + jnp.arange(2)[None], cache,
+                        length, with_heads=False)
+    return out.normed, nxt.normed
+
+  base = run(model.init_cache(1, 64))
+  for capacity in (200, 700, 2048):
+    cache = model.init_cache(1, capacity)
+    assert cache.capacity % kv_cache.CHUNK == 0 and cache.capacity >= capacity
+    for got, want in zip(run(cache), base):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_chunked_attention_equals_attention_over_the_whole_cache():
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
+  keys = jnp.asarray(rng.normal(size=(2, 256, 2, 8)), jnp.float32)
+  values = jnp.asarray(rng.normal(size=(2, 256, 2, 8)), jnp.float32)
+  lengths = jnp.asarray([130, 7], jnp.int32)
+  block = jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # A tree: 2's parent is 0.
+  got = kv_cache.attend(q, keys, values, lengths, block)
+  slots = jnp.arange(256)[None, None, :]
+  relative = slots - lengths[:, None, None]
+  visible = (relative < 0) | ((relative >= 0) & (relative < 3) & jnp.take_along_axis(
+      jnp.broadcast_to(block, (2, 3, 3)), jnp.clip(relative, 0, 2).repeat(3, axis=1), axis=2))
+  want = jax.nn.dot_product_attention(q, keys, values, mask=visible[:, None])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
