@@ -1,11 +1,14 @@
-"""Test session setup: 8 simulated CPU devices (before JAX starts), quiet library logs."""
+"""Test session setup: 8 simulated CPU devices (before JAX starts), quiet library logs, a
+measurement cache of the session's own, and one tiny trained workdir the tests share."""
 
 import os
+import tempfile
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-
-import tempfile  # noqa: E402
+# Measurements (break-evens, accuracies, token counts) and corpora of this session: tests never
+# read a user's ~/.cache/mtp, and xdist workers (which inherit the variable) share one.
+os.environ.setdefault('MTP_CACHE_DIR', tempfile.mkdtemp(prefix='mtp-test-cache-'))
 
 import jax  # noqa: E402
 
@@ -55,3 +58,11 @@ def pytest_runtest_setup(item):
     _drop_entry_point_flags()
     for entry_point in entry_points:
       importlib.reload(entry_point)
+
+
+@pytest.fixture(scope='session')
+def tiny_workdir(tmp_path_factory):
+  """One tiny trained workdir for the session (configs/tiny.py, 2 steps, a chat template
+  beside its tokenizer): trained once per test process. Read it; copy it to change it."""
+  from mtp.serving import testing  # pylint: disable=import-outside-toplevel
+  return testing.tiny_workdir(tmp_path_factory.mktemp('tiny') / 'workdir')

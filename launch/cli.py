@@ -13,7 +13,6 @@ The traceback is printed too with `--verbosity=1` (or higher) or the environment
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -111,21 +110,3 @@ def _unknown_key(error: BaseException) -> str:
   if hint.strip():
     message += f' ({hint.strip()})'
   return message + '; configs/base.py documents every key'
-
-
-def parse_tree(value: str | None, names: Sequence[str]):
-  """A --tree flag: None, one of `names` (e.g. 'chain', 'default') or JSON rank paths.
-
-  Raises:
-    ValueError naming the accepted forms.
-  """
-  if value is None or value in names:
-    return value
-  try:
-    choices = json.loads(value)
-  except json.JSONDecodeError:
-    raise ValueError(f'--tree must be {", ".join(names)} or JSON choices like '
-                     f'"[[0], [1], [0, 0]]", got {value!r}') from None
-  if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
-    raise ValueError(f'--tree choices must be a JSON list of lists of ranks, got {value!r}')
-  return [tuple(c) for c in choices]

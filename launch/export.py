@@ -27,6 +27,7 @@ from absl import app
 from absl import flags
 
 from launch import cli
+from mtp.decode import trees
 
 FLAGS = flags.FLAGS
 PROGRAM = 'launch.export'
@@ -54,16 +55,13 @@ _ARTIFACT_FLAGS = ('max_new_tokens', 'tree', 'lookup', 'temperature', 'top_k', '
                    'platforms')
 
 
-def parse_tree(value: str | None):
-  """--tree: None, a name (chain, default) or JSON choices."""
-  return cli.parse_tree(value, ('chain', 'default'))
 
 
 def options() -> dict:
   """The jax_export flags given on the command line (the writer refuses them for others)."""
   given = {name: FLAGS[name].value for name in _ARTIFACT_FLAGS if FLAGS[name].present}
   if 'tree' in given:
-    given['tree'] = parse_tree(given['tree'])
+    given['tree'] = trees.parse(given['tree'])
   return given
 
 

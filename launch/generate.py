@@ -32,6 +32,7 @@ from absl import logging
 
 import launch
 from launch import cli
+from mtp.decode import trees
 from mtp.decode import decoders
 
 FLAGS = flags.FLAGS
@@ -48,10 +49,10 @@ flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens (0 = all
 flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass in (0, 1] (1 = all).')
 flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 flags.DEFINE_integer('batch_size', 1, 'Prompts decoded together.')
-flags.DEFINE_string('tree', None, 'Speculative candidates: chain (speculative\'s default), '
-                    'default, auto (the auto decoder\'s default, where validation code exists), '
-                    'dynamic (each step and row verifies the nodes its heads find most probable, '
-                    'EAGLE-2 style), or Medusa-style choices as JSON, e.g. "[[0], [1], [0, 0]]".')
+flags.DEFINE_string('tree', None, 'The heads\' candidates: ' + '; '.join(
+    f'{name} ({what})' for name, what in trees.NAMES.items()) + '; or Medusa-style choices as '
+    'JSON, e.g. "[[0], [1], [0, 0]]". Default: auto for the auto decoder (where validation '
+    'code exists), chain for speculative.')
 flags.DEFINE_integer('tree_budget', None, 'Nodes per step of a dynamic tree, root included '
                      '(--tree is then its superset; with --tree=dynamic, default: sized from '
                      'the heads\' measured accuracies and this hardware\'s cost curve).')
@@ -66,6 +67,10 @@ flags.DEFINE_integer('draft_vocab', None, 'Drafting decoders: the heads draft ov
                          f'{d.draft_vocab * decoders.LARGE_VOCAB_FACTOR} ids'
                          for d in decoders.DECODERS.values() if d.draft_vocab) +
                      ', else the whole vocabulary. Output is unchanged.')
+flags.DEFINE_list('drafters', None, 'Drafting decoders: the drafters to mix, in order (names '
+                  'of mtp.decode.plan.DRAFTERS: heads, lookup, ngram); default: the decoder\'s.')
+flags.DEFINE_integer('logprobs', None, 'Also write each token\'s log-probability (0) and its k '
+                     'most likely alternatives\' (k <= 20).')
 flags.DEFINE_string('output', None, 'JSONL file to write (default: stdout).')
 flags.DEFINE_bool('stream', False, 'Print completions as tokens are accepted.')
 flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps per host round trip when streaming.')
@@ -96,11 +101,6 @@ def read_prompt_file(path: str | pathlib.Path) -> list[str]:
   if not prompts:
     raise ValueError(f'{path} holds no prompts')
   return prompts
-
-
-def parse_tree(value: str | None):
-  """--tree: None, a name (chain, default, auto) or JSON choices."""
-  return cli.parse_tree(value, ('chain', 'default', 'auto', 'dynamic'))
 
 
 class OutputFile:
@@ -166,7 +166,7 @@ def main(argv):
   with cli.UserErrors(PROGRAM):
     prompts = ([FLAGS.prompt] if FLAGS.prompt is not None
                else read_prompt_file(FLAGS.prompt_file))
-    tree = parse_tree(FLAGS.tree)
+    tree = trees.parse(FLAGS.tree)
     # Before any decoding: an output that cannot be written would throw the run away.
     output = OutputFile(FLAGS.output) if FLAGS.output else None
 
@@ -178,7 +178,7 @@ def main(argv):
         temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
         tree=tree, lookup=FLAGS.lookup, batch_size=FLAGS.batch_size, on_text=printer,
         steps_per_chunk=FLAGS.steps_per_chunk, draft_vocab=FLAGS.draft_vocab,
-        tree_budget=FLAGS.tree_budget)
+        tree_budget=FLAGS.tree_budget, drafters=FLAGS.drafters, logprobs=FLAGS.logprobs)
     lines = ''.join(json.dumps(g.to_json(), ensure_ascii=False) + '\n' for g in generations)
     if output is not None:
       output.commit(lines)

@@ -1,12 +1,14 @@
 r"""An OpenAI-compatible HTTP server with exact self-speculative decoding.
 
   python -m launch.serve --workdir=workdirs/code_small [--port=8000] [--max_batch=8] \
-      [--max_wait_ms=10] [--decoder=speculative|autoregressive] [--model_name=mtp] \
-      [--tree=chain|default|auto|dynamic] [--tree_budget=N]
+      [--max_wait_ms=10] [--decoder=auto|speculative|autoregressive] [--decoders=...] \
+      [--model_name=mtp] [--tree=chain|default|auto|dynamic] [--tree_budget=N]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus), GET / (a page). A greedy request returns exactly what
-`launch.generate` gives on the same workdir, whatever else shares its batch.
+`launch.generate` gives on the same workdir, whatever else shares its batch. Requests carry
+their own temperature, top_p, top_k, max_tokens, seed, stop, n and logprobs; every mix shares
+one batch, and nothing compiles after start-up (`mtp_compilations_total` stays flat).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ flags.DEFINE_integer('max_batch', 8, 'Rows decoded together at most.')
 flags.DEFINE_float('max_wait_ms', 10.0, 'How long a request waits for others to batch with.')
 flags.DEFINE_integer('max_queue', 256, 'Requests waiting for a batch at most; more get 503.')
 flags.DEFINE_string('model_name', 'mtp', 'The model id that /v1/models lists.')
-flags.DEFINE_enum('decoder', decoders.SERVED_DEFAULT, list(decoders.SERVED),
+flags.DEFINE_enum('decoder', decoders.DEFAULT, list(decoders.NAMES),
                   'Decoder of requests that name none (a request may set "decoder").')
+flags.DEFINE_list('decoders', None, 'Decoders requests may name (each compiled at start); '
+                  'default: all of ' + ', '.join(decoders.NAMES) + '.')
 flags.DEFINE_string('tree', None, 'The speculative decoder\'s candidates: chain (the default), '
                     'default (a static 24-node tree), auto (from the heads\' measured accuracies '
                     'and this machine\'s verification cost), dynamic (EAGLE-2: each step and '
@@ -41,8 +45,8 @@ flags.DEFINE_bool('exact', True, 'Row-mapped batches: every greedy request gets 
                   'rows: faster on big models, exact only up to float ties.')
 flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps between host round trips for '
                      'non-streamed batches (streamed ones take one step per chunk).')
-flags.DEFINE_list('warmup_max_tokens', ['16'], 'Compile these max_tokens (short prompts, '
-                  'greedy, each decoder) in the background at start.')
+flags.DEFINE_integer('max_logprobs', 20, 'Alternatives per token a request may ask for '
+                     '(logprobs, top_logprobs); -1 turns log-probabilities off.')
 flags.mark_flag_as_required('workdir')
 
 
@@ -51,7 +55,12 @@ def main(argv):
   with cli.UserErrors(PROGRAM):
     if FLAGS.max_batch < 1 or FLAGS.max_queue < 1 or FLAGS.max_wait_ms < 0:
       raise ValueError('--max_batch and --max_queue must be >= 1, --max_wait_ms >= 0')
-    warmup_tokens = [int(v) for v in FLAGS.warmup_max_tokens]
+    served = [FLAGS.decoder] + [d for d in (FLAGS.decoders or decoders.NAMES)
+                                if d != FLAGS.decoder]
+    for name in served:
+      decoders.get(name)  # Names the bad one.
+    from mtp.decode import trees  # pylint: disable=import-outside-toplevel
+    tree = trees.parse(FLAGS.tree)
     import uvicorn  # After flag parsing: importing JAX is slow.
     import mtp
     from mtp.serving import server
@@ -60,18 +69,11 @@ def main(argv):
       raise ValueError(f'{FLAGS.workdir} is a jax_export artifact: it runs a whole decode per '
                        'call and cannot join continuous batches; serve the training workdir '
                        'or a params export')
-    names = [d for d in decoders.SERVED
-             if loaded.model.cfg.mtp_num_heads or not decoders.get(d).drafts]
-    # Exact mode decodes every row as a batch of one: size trees for that.
-    tree, tree_budget = mtp.api.resolve_tree(
-        loaded, cli.parse_tree(FLAGS.tree, mtp.api.TREES), decoder='speculative',
-        batch_size=1 if FLAGS.exact else FLAGS.max_batch, tree_budget=FLAGS.tree_budget)
     application, batcher = server.build(
-        loaded, max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms,
+        loaded, decoders=served, max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms,
         max_queue=FLAGS.max_queue, exact=FLAGS.exact, steps_per_chunk=FLAGS.steps_per_chunk,
-        model_name=FLAGS.model_name, default_max_tokens=FLAGS.default_max_tokens,
-        decoder=FLAGS.decoder, warmup=[(d, n) for d in names for n in warmup_tokens],
-        tree=tree, tree_budget=tree_budget)
+        model_name=FLAGS.model_name, default_max_tokens=FLAGS.default_max_tokens, tree=tree,
+        tree_budget=FLAGS.tree_budget, max_logprobs=FLAGS.max_logprobs)
     sock = server.free_socket(FLAGS.host, FLAGS.port)
   # The bound port, which --port=0 leaves to the system: scripts read this line.
   print(f'{PROGRAM}: serving {FLAGS.workdir} as {FLAGS.model_name!r} on '

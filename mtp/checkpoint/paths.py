@@ -26,29 +26,47 @@ def as_path(path: str | os.PathLike) -> epath.Path:
   return epath.Path(os.path.abspath(os.fspath(path)))
 
 
-def write_text_atomically(path: epath.Path, text: str) -> None:
-  """Writes `path` so that a reader sees the old contents or the new, never a part.
+def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
+  """Writes `path` so that a reader sees the old contents or the new, never a part: the
+  project's one way to replace a file.
 
-  Locally: a temporary sibling renamed over it. On an object store an upload is already
-  atomic (an object appears whole or not at all), and a rename is a copy: it is written
-  directly.
+  Locally: a temporary sibling renamed over it (removed if writing fails). On an object store
+  an upload is already atomic (an object appears whole or not at all), and a rename is a copy:
+  it is written directly.
   """
   path = epath.Path(path)
+  write = path.write_bytes if isinstance(data, bytes) else path.write_text
   if is_url(path):
-    path.write_text(text)
+    write(data)
     return
   tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
-  tmp.write_text(text)
-  os.replace(tmp, path)
+  try:
+    if isinstance(data, bytes):
+      tmp.write_bytes(data)
+    else:
+      tmp.write_text(data, encoding='utf-8')
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+  """`write_atomically` of text."""
+  write_atomically(path, text)
+
+
+def cache_root() -> epath.Path:
+  """The one directory of this host's caches: `$MTP_CACHE_DIR`, default ~/.cache/mtp (the
+  standard library's corpora, decoding's measurements, local copies of remote workdirs')."""
+  return epath.Path(os.environ.get('MTP_CACHE_DIR')
+                    or os.path.join(os.path.expanduser('~'), '.cache', 'mtp'))
 
 
 def local_dir(workdir: str | os.PathLike, name: str) -> epath.Path:
   """`workdir/name` for a local workdir; for one on an object store, a directory of this host
-  named after its URL (`$MTP_LOCAL_CACHE`, default ~/.cache/mtp): for caches written with local
-  file APIs (the in-memory corpus's token arrays), which a host rebuilds when it lacks them."""
+  named after its URL under `cache_root()`: for caches written with local file APIs (the
+  in-memory corpus's token arrays), which a host rebuilds when it lacks them."""
   if not is_url(workdir):
     return as_path(workdir) / name
-  root = os.environ.get('MTP_LOCAL_CACHE') or os.path.join(os.path.expanduser('~'), '.cache',
-                                                           'mtp')
   flat = os.fspath(workdir).replace('://', '/').strip('/')
-  return epath.Path(root) / flat / name
+  return cache_root() / 'workdirs' / flat / name

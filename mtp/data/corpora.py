@@ -28,6 +28,8 @@ import sysconfig
 import tempfile
 from typing import Any
 
+from mtp.checkpoint import paths
+
 EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-packages',
                            '__pycache__'})
 DEFAULT_HELDOUT_PACKAGES = ('ml_collections', 'absl')
@@ -214,8 +216,7 @@ def corpus_splits(data_config: Any) -> dict[str, list[pathlib.Path]]:
 
 
 def _cache_root() -> pathlib.Path:
-  return pathlib.Path(os.environ.get('MTP_CACHE_DIR') or
-                      pathlib.Path('~', '.cache', 'mtp').expanduser())
+  return pathlib.Path(paths.cache_root())
 
 
 def stdlib_prose_texts() -> dict[str, str]:

@@ -29,6 +29,8 @@ import tokenizers
 from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from mtp.checkpoint import paths
+
 PAD, EOS, BOS = '<pad>', '<eos>', '<bos>'
 SPECIAL_TOKENS = (PAD, EOS, BOS)  # ids 0, 1, 2
 NUM_BYTES = 256
@@ -235,15 +237,15 @@ class Tokenizer:
     path = directory / FILENAME
     specials = directory / SPECIAL_IDS_FILENAME
     if self._special_ids != LEGACY_SPECIAL_IDS:
-      _write_atomically(specials, self._special_ids.to_json())
+      paths.write_atomically(specials, self._special_ids.to_json())
     elif specials.exists():
       specials.unlink()
     template = directory / CHAT_TEMPLATE_FILENAME
     if self._chat_template is not None:
-      _write_atomically(template, self._chat_template)
+      paths.write_atomically(template, self._chat_template)
     elif template.exists():
       template.unlink()
-    _write_atomically(path, self.to_json())
+    paths.write_atomically(path, self.to_json())
     return path
 
   def to_json(self) -> str:
@@ -289,12 +291,6 @@ def _read_optional(path: epath.Path) -> str | None:
     return path.read_text(encoding='utf-8')
   except UnicodeDecodeError as e:
     raise ValueError(f'{path} is not UTF-8 text ({e}).') from e
-
-
-def _write_atomically(path: epath.Path, text: str) -> None:
-  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
-  tmp.write_text(text, encoding='utf-8')
-  tmp.replace(path)
 
 
 def _encode_bytes(text: str) -> np.ndarray:

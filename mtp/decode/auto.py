@@ -1,130 +1,210 @@
-"""The 'auto' decoder's measurement: what one drafting step costs, in one-token steps, here.
+"""The `auto` decoder: speculative decoding that judges, row by row, whether drafting pays.
 
-Speculative decoding pays when a step emits more tokens than it costs one-token steps: its
-break-even is seconds per drafting step / seconds per one-token step, for this hardware, model,
-batch size, block and prompt width. It covers everything a step does (the verification pass,
-the heads' drafting, acceptance, cache bookkeeping), unlike the verification-only cost curve
-of `cost_model`, and it is measured on the very compiled loop that then decodes: an 'auto'
-request holds both kinds of step (`DecodeRequest.fallback`), so measuring compiles nothing
-extra. The loop stops drafting once its tokens per step fall below the break-even, checked
-after a probe of a few steps (`probe_steps`: as many as keep the worst case, every draft
-rejected, within 5% of the call's one-token steps), and tries it again for one step now and
-then (`driver.LoopState`: each retry's worst case within half that budget of the steps since).
+A drafting step of kind k verifies a block of the plan's first k drafters (the heads' tree,
+then their tree with prompt lookup's chain beside it). It pays for a row when the row emits
+more tokens per such step than the step costs in one-token steps: its break-even, measured
+once per hardware, model shape, batch size and block on the very compiled loop that decodes
+(`break_even`), fastest run against fastest run.
 
-A tree with a lookup chain has two kinds of drafting step (`driver.LoopState`): the whole
-block where the lookup drafts look likely to pass, the heads' block elsewhere. Each has its
-own break-even (`heads_only`) and stops on its own.
+Each row keeps its own account (`State`): the tokens it emitted in steps of each kind and the
+steps it took. A kind starts paying for a row, is checked after a probe of a few steps (as
+many as keep the worst case, every draft rejected, within `FALLBACK_BUDGET` of the row's token
+budget; none where even one failed step would cost more), stops where the row's tokens per step
+fall below the break-even, and is tried again for one step once enough steps have passed that
+a failed retry loses at most half the budget of them. A row wants the largest kind that pays
+for it and whose newest drafter is `ready` (prompt lookup: its key matched at least two tokens).
 
-Measured once and cached in a JSON file (`break_even.json` beside `cost_model`'s step costs,
-`$MTP_CACHE_DIR` or ~/.cache/mtp), keyed by device kind, model shape and request.
+A step is one kind for the whole batch (one compiled block), and a batch runs until its last
+row is done, so the kind is the one wanted by the row with the most tokens left to make; every
+greedy row verifies that step's drafts (free for it, and exact). A sampled row verifies only
+the drafts of the kind it wants itself, and a step is never smaller than what a sampled row
+wants: which tokens a sampled row draws then depends on its own account alone, not on its
+neighbours (`settings`). Rows joining a running batch start their own account.
+
+Measured: see `break_even`; the README has the figures.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
+import dataclasses
+import time
 
+import flax.struct
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from mtp.decode import cost_model
-from mtp.decode import driver
-from mtp.decode import request as request_lib
+from mtp.decode import measurements
 
-_FILE_NAME = 'break_even.json'
-# Bumped when the decode loop's steps change cost (the two kinds of drafting step, the KV
-# cache's layout, fused projections) or the way they are timed, so that older measurements
-# are not reused.
-_LOOP_VERSION = 4
-
-
-def cache_key(model, request: request_lib.DecodeRequest, batch_size: int,
-              prompt_width: int, heads_only: bool = False) -> str:
-  """Everything that changes the ratio: device, model shape, batch, block, sampling, width."""
-  tree = request.tree
-  shape = (tree.choices, tree.lookup_depth) + ((request.tree_budget,) if request.tree_budget
-                                               else ())
-  block = hashlib.sha1(repr(shape).encode()).hexdigest()[:10]
-  sampling = ('greedy' if request.greedy else
-              f't{request.temperature:g}-k{request.top_k}-p{request.top_p:g}')
-  return (f'v{_LOOP_VERSION}|{cost_model.device_kind()}|{cost_model.model_key(model)}'
-          f'|B{batch_size}'
-          f'|P{prompt_width}|N{request.block_size}-{block}|{sampling}'
-          f'|new{request.max_new_tokens}|{"rows" if request.row_mapped else "batch"}'
-          f'|mesh{request.mesh.shape if request.mesh is not None else None}'
-          f'{"|heads" if heads_only else ""}|V{request.draft_vocab_size}')
+Array = jax.Array
+# What a row may lose to one-token decoding in the worst case, where every draft fails: its
+# probes and retries of drafting are sized to lose at most this fraction of its token budget.
+FALLBACK_BUDGET = 0.05
+# Most probe steps (acceptance is noisy over fewer, and more only delays the judgement).
+MOST_PROBE = 8
+# The fewest probe steps of drafters whose drafts pass all or nothing (prompt lookup): judged on
+# fewer, lookup on the demo model's validation-split code (which pays, 6 tokens a step) was
+# mostly stopped by its first unlucky step.
+ALL_OR_NOTHING_LEAST_PROBE = 4
+_TABLE = 'break_even.json'
+# Bumped when the decode loop's steps change cost or the way they are timed, so that older
+# measurements are not reused.
+_LOOP_VERSION = 5
 
 
-def break_even(model, prompts, prompt_lengths, request: request_lib.DecodeRequest, *,
-               cache_dir: str | None = None, refresh: bool = False, steps: int = 16,
-               repeats: int = 5, heads_only: bool = False) -> float:
-  """Seconds per drafting step / seconds per one-token step of `request` on `prompts`.
+@flax.struct.dataclass
+class State:
+  """Every row's account of each kind of drafting step ([B, K] each, kind k + 1 in column k).
+
+  Attributes:
+    pays: whether the kind still pays for the row.
+    idle: the row's steps since the kind stopped (0 while it pays).
+    tokens: tokens the row emitted in steps of the kind (since its last retry).
+    steps: steps of the kind that worked on the row (since its last retry).
+    probe: steps of the kind before it is first checked.
+  """
+  pays: Array
+  idle: Array
+  tokens: Array
+  steps: Array
+  probe: Array
+
+
+def probe_steps(break_even, max_tokens, least=1, budget: float = FALLBACK_BUDGET):
+  """Drafting steps before the first check, so that their worst case costs at most `budget`
+  of `max_tokens` one-token steps (numpy or jnp, broadcasting).
+
+  A probe step whose drafts all fail emits one token at `break_even` one-token steps: it loses
+  break_even - 1. Where even one such step loses more than the budget, none (0: the kind starts
+  stopped); else at least `least` (a kind whose steps accept all or nothing, prompt lookup,
+  is judged on fewer steps only by luck) and at most `MOST_PROBE`.
+  """
+  xp = jnp if isinstance(break_even, jax.Array) or isinstance(max_tokens, jax.Array) else np
+  loss = xp.maximum(xp.asarray(break_even, xp.float32) - 1, 1e-6)
+  affordable = xp.floor(budget * xp.asarray(max_tokens, xp.float32) / loss)
+  probe = xp.clip(xp.maximum(affordable, least), 1, MOST_PROBE)
+  free = xp.asarray(break_even) <= 1  # Drafting costs no more than a one-token step.
+  return xp.where(free, MOST_PROBE, xp.where(affordable >= 1, probe, 0)).astype(xp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPolicy:
+  """The policy of a plan with `num_kinds` kinds of drafting step.
+
+  least_probe: per kind, the fewest probe steps it is judged on (see `probe_steps`).
+  """
+  num_kinds: int
+  least_probe: tuple[int, ...]
+  budget: float = FALLBACK_BUDGET
+
+  def start(self, costs: Array, max_tokens: Array) -> State:
+    """Fresh accounts for rows with budgets `max_tokens` [B]; costs: [K] break-evens."""
+    b = max_tokens.shape[0]
+    probe = probe_steps(costs[None, :], max_tokens[:, None],
+                        jnp.asarray(self.least_probe, jnp.int32)[None, :], self.budget)
+    zeros = jnp.zeros((b, self.num_kinds), jnp.int32)
+    return State(pays=probe > 0, idle=zeros, tokens=zeros, steps=zeros, probe=probe)
+
+  def choose(self, state: State, ready: Array, active: Array, greedy: Array,
+             remaining: Array, force: Array) -> tuple[Array, Array]:
+    """The step's kind and each row's.
+
+    Args:
+      state: the rows' accounts.
+      ready: [B, K] whether kind k + 1's newest drafter is ready for the row.
+      active: [B] rows still decoding.
+      greedy: [B] greedy rows.
+      remaining: [B] tokens each row still may make.
+      force: [] a kind to run whatever the accounts say (-1: none; measurements).
+
+    Returns:
+      (kind [] in 0..K, row_kind [B]: the kind whose drafts each row verifies).
+    """
+    kinds = jnp.arange(1, self.num_kinds + 1)
+    wants = jnp.max(jnp.where(state.pays & ready, kinds, 0), axis=1)  # [B]
+    deciding = jnp.argmax(jnp.where(active & greedy, remaining, -1))
+    kind = jnp.where(jnp.any(active & greedy), wants[deciding], 0)
+    kind = jnp.maximum(kind, jnp.max(jnp.where(active & ~greedy, wants, 0)))
+    kind = jnp.where(force >= 0, force, kind)
+    row_kind = jnp.where(greedy | (force >= 0), kind, jnp.minimum(wants, kind))
+    return kind.astype(jnp.int32), row_kind.astype(jnp.int32)
+
+  def observe(self, state: State, costs: Array, row_kind: Array, emitted: Array,
+              active: Array) -> State:
+    """The accounts after a step in which each active row verified the drafts of `row_kind`
+    [B] (0: none) and emitted `emitted` [B] tokens; then each row's judgement."""
+    counted = active[:, None] & (jnp.arange(1, self.num_kinds + 1)[None, :] == row_kind[:, None])
+    tokens = state.tokens + jnp.where(counted, emitted[:, None], 0)
+    steps = state.steps + counted.astype(jnp.int32)
+    early = steps < state.probe
+    pays = state.pays & (early | (tokens.astype(jnp.float32)
+                                  >= costs[None, :] * steps.astype(jnp.float32)))
+    idle = jnp.where(pays, 0, state.idle + active[:, None])
+    failed_retry = jnp.maximum(costs[None, :] - 1, 0)  # One step whose drafts all fail.
+    retry = ~pays & (idle.astype(jnp.float32) * (self.budget / 2) >= failed_retry)
+    keep = active[:, None]
+    return State(pays=jnp.where(keep, pays | retry, state.pays),
+                 idle=jnp.where(keep, jnp.where(retry, 0, idle), state.idle),
+                 tokens=jnp.where(keep & ~retry, tokens, jnp.where(keep, 0, state.tokens)),
+                 steps=jnp.where(keep & ~retry, steps, jnp.where(keep, 0, state.steps)),
+                 probe=jnp.where(keep & retry, 1, state.probe))
+
+
+# ------------------------------------------------------------------------------------------
+# Measuring the break-even.
+# ------------------------------------------------------------------------------------------
+
+
+def _cache_key(engine, batch_size: int, prompt_width: int, kind: int) -> str:
+  plan = engine.plan
+  block, _ = plan.block(kind)
+  return (f'v{_LOOP_VERSION}|{cost_model.device_kind()}|{cost_model.model_key(engine.cfg)}'
+          f'|B{batch_size}|P{prompt_width}|kind{kind}-{measurements.digest(repr(block))}'
+          f'|{"rows" if plan.row_mapped else "batch"}|mesh'
+          f'{plan.mesh.shape if plan.mesh is not None else None}'
+          f'|V{plan.draft_vocab_size}|M{plan.max_new_tokens}')
+
+
+def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, steps: int = 16,
+               repeats: int = 5) -> float:
+  """Seconds per drafting step of `kind` over seconds per one-token step, for `engine`'s
+  compiled loop on these prompts (greedy), measured once and cached (`measurements`).
+
+  The two kinds of step take turns, and the fastest run of each counts: load from other work
+  only ever adds time. (The median of per-pair ratios, used once, read 1.25 for a heads' block
+  whose fastest runs cost 2.0 one-token steps, on a busy machine: drafting then ran where it
+  lost.)
 
   Args:
-    model: an `MTPModel` or `state.PreparedModel`.
-    prompts: [B, P] int32, right-padded, checked; prompt_lengths: [B].
-    request: an 'auto' request (`request.fallback`).
-    cache_dir: where the cache file lives (default `cost_model.default_cache_dir()`).
+    engine: a `decode.engine.Engine` whose plan has this kind.
+    prompts: [B, P] int32, right-padded, checked; lengths: [B].
+    kind: the kind of drafting step (1..K).
     refresh: measure again even when cached.
-    steps, repeats: loop steps per timed run, and timed runs of each kind (the fastest
-      counts).
-    heads_only: a request with a lookup chain: the heads' block alone (the loop's other kind
-      of drafting step, `driver.LoopState`); else the whole block.
+    steps, repeats: loop steps per timed run, and timed runs of each kind.
 
   Returns:
-    The break-even in tokens per step (>= 0; a ratio below 1 means drafting costs nothing).
+    The break-even in tokens per step (> 0; below 1: drafting costs nothing).
   """
-  if not request.fallback:
-    raise ValueError('break_even needs an \'auto\' request that drafts (request.fallback)')
-  b, p = jax.numpy.shape(prompts)
-  key = cache_key(model, request, b, p, heads_only)
-  path = os.path.join(cache_dir or cost_model.default_cache_dir(), _FILE_NAME)
-  table = cost_model.read_table(path)
-  cached = table.get(key)
-  if not refresh and isinstance(cached, dict) and _valid(cached.get('break_even')):
-    return float(cached['break_even'])
-  def timed(drafting: bool, warm_up: bool = False) -> float:
-    return driver.seconds_per_step(model, prompts, prompt_lengths, request, drafting=drafting,
-                                   heads_only=heads_only and drafting, steps=steps,
-                                   repeats=1, warm_up=warm_up)
+  b, p = np.shape(prompts)
+  key = _cache_key(engine, b, p, kind)
+  if not refresh:
+    cached = measurements.lookup(_TABLE, key, lambda e: _valid(e['break_even']))
+    if cached is not None:
+      return float(cached['break_even'])
 
-  timed(True, warm_up=True)  # Compiles (the decode that follows reuses it).
-  # The two kinds take turns, and the fastest run of each counts: load from other work only
-  # ever adds time. (The median of per-pair ratios, used before, read 1.25 for a heads' block
-  # whose fastest runs cost 2.0 one-token steps, on a busy machine: drafting then ran where
-  # it lost.)
-  pairs = [(timed(True), timed(False)) for _ in range(repeats)]
+  def timed(k: int) -> float:
+    return engine.seconds_per_step(prompts, lengths, kind=k, steps=steps)
+
+  timed(kind), timed(0)  # Compiles (decoding then reuses it) and warms up.
+  pairs = [(timed(kind), timed(0)) for _ in range(repeats)]
   drafting, one_token = min(d for d, _ in pairs), min(o for _, o in pairs)
   ratio = drafting / one_token
-  table = cost_model.read_table(path)  # Another process may have written meanwhile.
-  table[key] = {'break_even': ratio,
-                'seconds_per_step': {'drafting': drafting, 'one_token': one_token},
-                'ratios': [d / o for d, o in pairs]}
-  try:
-    cost_model.write_table(path, table)
-  except OSError:
-    pass  # A read-only cache directory: measure again next time.
+  measurements.store(_TABLE, key, {
+      'break_even': ratio, 'seconds_per_step': {'drafting': drafting, 'one_token': one_token},
+      'ratios': [d / o for d, o in pairs], 'measured': time.strftime('%Y-%m-%d %H:%M:%S')})
   return ratio
 
 
 def _valid(value) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6
-
-
-# A lookup step accepts all of its drafts or none far more often than a heads' step: judged on
-# fewer steps than this, lookup on the demo model's validation-split code (which pays, 6 tokens
-# a step) was mostly stopped by its first unlucky step.
-LOOKUP_LEAST_PROBE = 4
-
-
-def probe_steps(break_even: float, max_new_tokens: int, *,
-                budget: float = request_lib.FALLBACK_BUDGET,
-                most: int = 8, least: int = 1) -> int:
-  """Drafting steps before the first check, so that their worst case costs at most `budget`.
-
-  A probe step whose drafts are all rejected emits one token at `break_even` one-token steps:
-  it loses break_even - 1. Up to `most` steps (acceptance is noisy over fewer), at least
-  `least` (which then bounds the worst case instead of the budget).
-  """
-  if break_even <= 1:
-    return most  # Drafting costs no more than a one-token step: probing loses nothing.
-  return int(max(least, min(most, budget * max_new_tokens // (break_even - 1))))

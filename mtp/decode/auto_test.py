@@ -1,95 +1,276 @@
-"""decode.auto: drafting's break-even, measured on the decoder's own loop and cached."""
+"""The `auto` decoder: each row stops drafting where it does not pay, exactly; its
+break-even, measured on the decoder's own loop and cached."""
 
-import json
+import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mtp
 from mtp.decode import auto
-from mtp.decode import driver
-from mtp.decode import request as request_lib
+from mtp.decode import engine as engine_lib
+from mtp.decode import measurements
+from mtp.decode import settings as settings_lib
+from mtp.decode import testing as decode_testing
+from mtp.decode.drafters import lookup
 from mtp.model import testing
-from mtp.train import testing as train_testing
 
-LENGTHS = np.array([5, 7], np.int32)
+VOCAB = 61
+DEPTH = 3
+PROMPT_LENGTHS = np.array([7, 3, 5], np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownDrafts:
+  """A chain hook: the reference continuation (right) or one off it (every draft wrong);
+  `right_rows` (if given) are right and the other rows wrong."""
+  right: bool
+  right_rows: tuple[int, ...] | None = None
+
+  def __call__(self, drafts, num_generated, data):
+    index = num_generated[:, None] + jnp.arange(drafts.shape[1])[None, :]
+    tokens = jnp.take_along_axis(data, index, axis=1)
+    if self.right_rows is not None:
+      right = np.isin(np.arange(drafts.shape[0]), self.right_rows)[:, None]
+      return jnp.where(right, tokens, (tokens + 1) % VOCAB)
+    return tokens if self.right else (tokens + 1) % VOCAB
 
 
 @pytest.fixture(scope='module')
 def model():
-  return testing.tiny_model(0, mtp_num_heads=2)
+  return testing.tiny_model(0, mtp_num_heads=DEPTH)
 
 
 @pytest.fixture(scope='module')
 def prompts():
-  return testing.random_tokens((2, 7), 61, seed=2)
+  return testing.random_tokens((3, 7), VOCAB, seed=1)
 
 
-def _request(model, **options):
-  return request_lib.make_request(model.cfg, 7, max_new_tokens=12, decoder='auto', **options)
+def _reference(model, prompts, max_new):
+  return decode_testing.decode(model, prompts, PROMPT_LENGTHS, decoder='autoregressive',
+                               max_new_tokens=max_new)
 
 
-def test_measured_once_then_read_from_the_cache(model, prompts, tmp_path, monkeypatch):
+def _run(model, prompts, max_new, *, right, break_even, right_rows=None, tree=None):
+  reference = _reference(model, prompts, max_new)
+  data = jnp.asarray(np.pad(reference.tokens, ((0, 0), (0, DEPTH + 1))))
+  out = decode_testing.decode(
+      model, prompts, PROMPT_LENGTHS, decoder='auto', max_new_tokens=max_new, lookup=0,
+      tree=tree, draft_hook=KnownDrafts(right, right_rows), hook_data=data,
+      break_even=break_even)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)  # Exact, whatever it drafted.
+  np.testing.assert_array_equal(out.num_generated, reference.num_generated)
+  return np.asarray(out.accepted_histogram), out
+
+
+def test_the_probe_keeps_the_worst_case_within_the_budget():
+  budget = auto.FALLBACK_BUDGET
+  assert auto.probe_steps(0.9, 128) == auto.MOST_PROBE  # Drafting is free: the longest probe.
+  assert auto.probe_steps(2.0, 128) == min(auto.MOST_PROBE, int(budget * 128 / 1.0))
+  assert auto.probe_steps(3.4, 128) == int(budget * 128 / 2.4)
+  # Where one failed step would lose more than the budget of a short completion: no probe.
+  assert auto.probe_steps(30.0, 16) == 0
+  assert auto.probe_steps(1.1, 1000) == auto.MOST_PROBE
+  # A floor for drafters whose drafts pass all or nothing, where the budget allows a probe.
+  assert auto.probe_steps(2.5, 128, least=4) == max(4, int(budget * 128 / 1.5))
+  assert auto.probe_steps(30.0, 16, least=4) == 0
+  # Vectorized, as the loop calls it.
+  np.testing.assert_array_equal(
+      auto.probe_steps(jnp.asarray([0.9, 30.0]), jnp.asarray([128, 16])), [8, 0])
+
+
+def test_rejected_drafts_fall_back_to_one_token_steps_exactly(model, prompts):
+  max_new = 24
+  hist, out = _run(model, prompts, max_new, right=False, break_even=1.5)
+  # Every step emits one token (drafts all wrong), the probe's and the fallback's.
+  np.testing.assert_array_equal(out.num_steps, np.asarray(out.num_generated) - 1)
+  assert hist.shape == (3, DEPTH + 2) and hist[:, 2:].sum() == 0
+
+
+def test_drafts_that_pay_keep_drafting(model, prompts):
+  max_new = 64
+  _, never = _run(model, prompts, max_new, right=True, break_even=0.0)
+  hist, paying = _run(model, prompts, max_new, right=True, break_even=2.5)
+  assert auto.probe_steps(2.5, max_new) >= 1
+  np.testing.assert_array_equal(paying.num_steps, never.num_steps)
+  # Oracle drafts: DEPTH + 1 tokens per step until the budget cuts the last one.
+  assert np.all(np.asarray(paying.num_steps) <= -(-(max_new - 1) // (DEPTH + 1)))
+
+
+def test_a_break_even_out_of_reach_stops_drafting_after_the_probe(model, prompts):
+  # Even oracle drafts (DEPTH + 1 = 4 tokens a step) fall short of 5 tokens a step.
+  max_new = 120
+  probe = auto.probe_steps(5.0, max_new)
+  assert probe >= 1
+  hist, _ = _run(model, prompts, max_new, right=True, break_even=5.0)
+  np.testing.assert_array_equal(hist[:, DEPTH + 1], probe)  # The probe's full steps.
+  np.testing.assert_array_equal(hist[:, 1], max_new - 1 - probe * (DEPTH + 1))
+
+
+def test_a_probe_that_would_cost_more_than_it_can_win_never_runs(model, prompts):
+  hist, _ = _run(model, prompts, 24, right=True, break_even=5.0)
+  assert auto.probe_steps(5.0, 24) == 0 and hist[:, 2:].sum() == 0
+
+
+def test_a_batch_runs_the_kind_its_row_with_most_left_wants(model, prompts):
+  # Rows 0 and 1 get oracle drafts (4 tokens a step), row 2 wrong ones (1): drafting pays for
+  # rows 0 and 1, but the batch runs until row 2 is done, and for row 2 drafting costs 2 steps'
+  # time for 1 token. So after the probe the batch decodes one token a step.
+  max_new = 24
+  probe = auto.probe_steps(2.0, max_new)
+  hist, _ = _run(model, prompts, max_new, right=True, break_even=2.0, right_rows=(0, 1))
+  np.testing.assert_array_equal(hist[:2, DEPTH + 1], probe)  # The probe's full steps only.
+  np.testing.assert_array_equal(hist[2, 2:], 0)
+
+
+def _oracle_chain_of_one(model, prompts, max_new, break_even):
+  """'auto' with oracle drafts, one a step: a drafting step emits 2 tokens, a one-token step 1;
+  the drafting steps per row."""
+  hist, _ = _run(model, prompts, max_new, right=True, break_even=break_even, tree=1)
+  return hist[:, 2]
+
+
+def test_a_stopped_kind_is_tried_again_within_the_budget(model, prompts):
+  # 2 tokens a step fall short of 2.2: drafting stops after its probe. A failed retry step
+  # loses 2.2 - 1 = 1.2 one-token steps, half the budget of 48 of them at 5%: it is tried again
+  # for one step after 48 one-token steps, and stops again.
+  probe = auto.probe_steps(2.2, 100)
+  wait = int(np.ceil(1.2 / (auto.FALLBACK_BUDGET / 2)))
+  assert 2 * probe + wait + 2 < 100 - 1 < 2 * probe + 2 * wait + 4  # Room for one retry.
+  np.testing.assert_array_equal(_oracle_chain_of_one(model, prompts, 100, 2.2), probe + 1)
+  np.testing.assert_array_equal(_oracle_chain_of_one(model, prompts, 40, 2.2),
+                                auto.probe_steps(2.2, 40))  # No room for a retry.
+
+
+def test_sampled_rows_draw_as_their_decoder_would(model, prompts):
+  """A sampled row's draws follow its own account: never stopping (break-even 0) draws what
+  speculative decoding draws, never drafting (out of reach) what autoregressive decoding does,
+  with the same seeds."""
+  kwargs = dict(max_new_tokens=24, temperature=1.0, seed=3)
+  speculative = decode_testing.decode(model, prompts, PROMPT_LENGTHS, **kwargs)
+  never = decode_testing.decode(model, prompts, PROMPT_LENGTHS, decoder='auto', lookup=0,
+                                break_even=0.0, **kwargs)
+  np.testing.assert_array_equal(never.tokens, speculative.tokens)
+  ar = decode_testing.decode(model, prompts, PROMPT_LENGTHS, decoder='autoregressive',
+                             **kwargs)
+  stopped = decode_testing.decode(model, prompts, PROMPT_LENGTHS, decoder='auto', lookup=0,
+                                  break_even=100.0, **kwargs)
+  np.testing.assert_array_equal(stopped.tokens, ar.tokens)
+  np.testing.assert_array_equal(stopped.accepted_histogram[:, 2:], 0)
+
+
+def test_auto_without_heads_drafts_by_lookup_alone(prompts):
+  model = testing.tiny_model(0, mtp_num_heads=0)
+  engine = decode_testing.engine(model, 'auto', max_new_tokens=40)
+  assert [type(d).__name__ for d in engine.plan.drafters] == ['LookupDrafter']
+  ref = _reference(model, prompts, 40)
+  out = decode_testing.decode(model, prompts, PROMPT_LENGTHS, decoder='auto', max_new_tokens=40)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  assert np.asarray(out.num_steps).sum() < np.asarray(ref.num_steps).sum()  # Copies passed.
+
+
+# Lookup on demand: a plan of the heads' tree and a lookup chain verifies the whole block only
+# where the deciding row's lookup drafts matched a long enough key, else the heads' block.
+
+REPEATING = np.array([[5, 6, 7, 5, 6, 7, 5], [9, 9, 9, 0, 0, 0, 0], [3, 4, 8, 1, 2, 0, 0]],
+                     np.int32)
+
+
+def test_lookup_drafts_are_ready_where_their_key_matched_enough_tokens():
+  drafter = lookup.LookupDrafter(length=4, capacity=16)
+  state = lookup.State(context=jnp.zeros((3, 20), jnp.int32), drafts=jnp.zeros((3, 4)),
+                       key_length=jnp.asarray([0, lookup.MIN_KEY - 1, lookup.MIN_KEY]))
+  assert np.asarray(drafter.ready(state)).tolist() == [False, False, True]
+
+
+def test_the_step_kind_comes_from_the_rows_accounts():
+  policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 4))
+  state = policy.start(jnp.asarray([1.5, 3.0]), jnp.asarray([128, 128, 128]))
+  everyone = jnp.ones((3,), bool)
+  greedy = jnp.asarray([True, True, False])
+  ready = jnp.asarray([[True, True], [True, False], [True, True]])
+  remaining = jnp.asarray([10, 50, 5])
+  kind, row_kind = policy.choose(state, ready, everyone, greedy, remaining, jnp.int32(-1))
+  # Row 1 decides among the greedy rows (most left): its lookup is not ready, so the heads'
+  # kind; the sampled row 2 wants the whole block for itself, which the step then runs.
+  assert int(kind) == 2 and np.asarray(row_kind).tolist() == [2, 2, 2]
+  ready = ready.at[2, 1].set(False)
+  kind, row_kind = policy.choose(state, ready, everyone, greedy, remaining, jnp.int32(-1))
+  assert int(kind) == 1 and np.asarray(row_kind).tolist() == [1, 1, 1]
+  kind, row_kind = policy.choose(state, ready, everyone, greedy, remaining, jnp.int32(0))
+  assert int(kind) == 0 and np.asarray(row_kind).tolist() == [0, 0, 0]  # Forced: measuring.
+
+
+def test_each_kind_stops_paying_on_its_own_per_row():
+  policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
+  costs = jnp.asarray([2.0, 4.0])
+  state = policy.start(costs, jnp.asarray([1000, 1000]))
+  active = jnp.ones((2,), bool)
+  for _ in range(int(state.probe.max()) + 1):
+    # Row 0 makes 3 tokens in heads' steps (pays); row 1 makes 3 in whole-block steps (short).
+    state = policy.observe(state, costs, jnp.asarray([1, 2]), jnp.asarray([3, 3]), active)
+  assert np.asarray(state.pays).tolist() == [[True, True], [True, False]]
+
+
+@pytest.mark.parametrize('break_even', [(0.0, 0.0), (50.0, 0.0), (0.0, 50.0)])
+def test_lookup_on_demand_is_exact(model, break_even):
+  reference = _reference(model, REPEATING, 24)
+  out = decode_testing.decode(model, REPEATING, PROMPT_LENGTHS, decoder='auto',
+                              max_new_tokens=24, tree=2, lookup=4, break_even=break_even)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+
+
+def test_seconds_per_step_times_each_kind_on_the_decoding_loop(model, prompts):
+  engine = decode_testing.engine(model, 'auto', max_new_tokens=24, tree=2, lookup=4)
+  compiled = None
+  for kind in (0, 1, 2, 0):
+    seconds = engine.seconds_per_step(prompts, PROMPT_LENGTHS, kind=kind, steps=4)
+    assert 0 < seconds < 10
+    compiled = compiled or engine_lib.compilations()
+  assert engine_lib.compilations() == compiled  # The kind is data: one compiled loop.
+
+
+def test_break_even_is_measured_once_then_read_from_the_cache(model, prompts, tmp_path,
+                                                              monkeypatch):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   calls = []
-
   # Drafting steps cost 3 ms; one-token steps 2 ms, but a burst of load hits one of them.
-  one_token = iter([0.002, 0.002, 0.006, 0.002, 0.002] * 4)
+  one_token = iter([0.002, 0.002, 0.006, 0.002, 0.002, 0.002] * 4)
 
-  def timed(*args, drafting, warm_up, **kwargs):
-    calls.append((drafting, warm_up))
-    return 0.003 if drafting else next(one_token)
+  def timed(self, prompts, lengths, *, kind, steps=16):
+    calls.append(kind)
+    return 0.003 if kind else next(one_token)
 
-  monkeypatch.setattr(driver, 'seconds_per_step', timed)
-  request = _request(model)
-  assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
-  assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
-  # One compiling run, then five pairs taking turns; the second call reads the cache.
-  assert calls == [(True, True)] + [(True, False), (False, False)] * 5
-  # Another block is another entry; refresh measures again.
-  auto.break_even(model, prompts, LENGTHS, _request(model, tree=1), cache_dir=tmp_path)
-  auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path, refresh=True)
-  assert len(calls) == 33
-  table = json.loads((tmp_path / 'break_even.json').read_text())
-  assert len(table) == 2 and all(len(v['ratios']) == 5 for v in table.values())
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', timed)
+  engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == 1.5
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == 1.5
+  # One compiling pair, then five pairs taking turns; the second call reads the cache.
+  assert calls == [1, 0] + [1, 0] * 5
+  table = measurements.read_table('break_even.json')
+  assert len(table) == 1 and len(next(iter(table.values()))['ratios']) == 5
   # A corrupt entry is measured again, not trusted.
-  key = auto.cache_key(model, request, 2, 7)
-  table[key]['break_even'] = 'fast'
-  (tmp_path / 'break_even.json').write_text(json.dumps(table))
-  assert auto.break_even(model, prompts, LENGTHS, request, cache_dir=tmp_path) == 1.5
-  assert len(calls) == 44
+  key = next(iter(table))
+  measurements.store('break_even.json', key, {'break_even': 'fast'})
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == 1.5
+  assert len(calls) == 24
 
 
-def test_the_probe_keeps_the_worst_case_within_five_percent():
-  assert auto.probe_steps(0.9, 128) == 8  # Drafting is free: the longest probe.
-  assert auto.probe_steps(2.0, 128) == 6  # 6 steps lose at most 6 of 128 one-token steps.
-  assert auto.probe_steps(3.4, 128) == 2
-  assert auto.probe_steps(30.0, 16) == 1  # At least one step: drafting is tried.
-  assert auto.probe_steps(1.1, 1000) == 8
-  # A floor for kinds of step whose acceptance swings (lookup): it bounds the worst case then.
-  assert auto.probe_steps(4.35, 128) == 1 and auto.probe_steps(4.35, 128, least=4) == 4
-
-
-def test_a_request_that_cannot_fall_back_is_refused(model, prompts, tmp_path):
-  plain = request_lib.make_request(model.cfg, 7, max_new_tokens=12, decoder='speculative')
-  with pytest.raises(ValueError, match="'auto' request"):
-    auto.break_even(model, prompts, LENGTHS, plain, cache_dir=tmp_path)
-
-
-def test_the_real_measurement_is_a_positive_ratio(model, prompts, tmp_path):
-  ratio = auto.break_even(model, prompts, LENGTHS, _request(model), cache_dir=tmp_path,
-                          steps=4, repeats=2)
+def test_the_real_measurement_is_a_positive_ratio(model, prompts, tmp_path, monkeypatch):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)
+  ratio = auto.break_even(engine, prompts, PROMPT_LENGTHS, 1, steps=4, repeats=2)
   assert 0 < ratio < 100
 
 
-def test_generate_defaults_to_auto_and_stays_exact(tmp_path, monkeypatch):
-  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'cache'))
-  loaded = mtp.load(train_testing.train_tiny_workdir(tmp_path / 'workdir'))
-  prompts = ['def f(x):\n    return', 'import os\n']
-  auto_out = mtp.generate(loaded, prompts, max_new_tokens=12)
-  plain = mtp.generate(loaded, prompts, max_new_tokens=12, decoder='autoregressive')
-  assert [g.tokens for g in auto_out] == [g.tokens for g in plain]
-  # Greedy 'auto' adds lookup drafts: both kinds of step are measured (the whole block and
-  # the heads' block alone).
-  table = json.loads((tmp_path / 'cache' / 'break_even.json').read_text())
-  assert len(table) == 2 and sum(key.endswith('|heads') or '|heads|' in key for key in table) == 1
-  assert all(entry['break_even'] > 0 for entry in table.values())
+def test_resolving_auto_measures_each_kind(model, prompts, tmp_path, monkeypatch):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  from mtp.decode import plan
+  engine = plan.resolve(model, 'auto', max_new_tokens=12, tree=2, lookup=4,
+                        calibration=(prompts, PROMPT_LENGTHS))
+  costs = np.asarray(engine.data.costs)
+  assert costs.shape == (2,) and np.all(costs > 0)
+  assert len(measurements.read_table('break_even.json')) == 2
+  rows = engine.settings([settings_lib.Sampling(max_tokens=12)] * 3)
+  out = engine.generate(prompts, PROMPT_LENGTHS, rows)
+  np.testing.assert_array_equal(out.tokens, _reference(model, prompts, 12).tokens)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp.decode import autoregressive
+from mtp.decode import measurements
+from mtp.decode import settings as settings_lib
 from mtp.decode import state as state_lib
 
 
@@ -85,10 +86,14 @@ def calibrate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 
     top_k: R, candidates per head.
     eos_id, pad_id: as in decoding.
   """
+  from mtp.decode import plan  # pylint: disable=import-outside-toplevel  # It reads calibration.
   padded, lengths = state_lib.pad_prompts(prompts, pad_id)
-  out = jax.device_get(autoregressive.generate(model, padded, lengths,
-                                               max_new_tokens=max_new_tokens, eos_id=eos_id,
-                                               pad_id=pad_id))
+  engine = plan.resolve(model, 'autoregressive', max_new_tokens=max_new_tokens,
+                        prompt_width=padded.shape[1], greedy_only=True)
+  stop = () if eos_id is None else (eos_id,)
+  out = engine.generate(padded, lengths, engine.settings(
+      [settings_lib.Sampling(max_tokens=max_new_tokens, stop_ids=stop)] * len(prompts)),
+      pad_id=pad_id)
   b = len(prompts)
   sequences = np.full((b, padded.shape[1] + max_new_tokens), pad_id, np.int32)
   for row, prompt in enumerate(prompts):
@@ -138,3 +143,43 @@ def code_prompts(files: Sequence[str | pathlib.Path], tokenizer, num_prompts: in
     if len(tokenizer.encode(text)) >= min_tokens:
       prompts.append(text)
   return prompts
+
+
+_TABLE = 'head_accuracies.json'
+
+
+def workdir_accuracies(loaded, num_prompts: int = 8, top_k: int = 4) -> np.ndarray:
+  """[D, R] measured top-k accuracies of a loaded model's heads (`calibrate`), cached.
+
+  Measured on greedy continuations of prompts from every other file of the training corpus's
+  validation split (code the model did not train on; the rest stays unseen for evaluations),
+  once per set of weights, and kept in the measurement cache (`measurements.py`). An entry that
+  is not a [D, R] table of probabilities is named in a warning and measured again.
+
+  Raises:
+    ValueError: the corpus has no validation files to measure on.
+  """
+  from mtp.checkpoint import fingerprint  # pylint: disable=import-outside-toplevel
+  from mtp.data import corpora  # pylint: disable=import-outside-toplevel
+  num_heads = loaded.model.cfg.mtp_num_heads
+  weights = fingerprint.fingerprints(nnx.state(loaded.model))
+  key = f'{measurements.digest(weights)}-R{top_k}-n{num_prompts}-even'
+
+  def valid(entry) -> bool:
+    acc = np.asarray(entry, np.float64)
+    return acc.shape == (num_heads, top_k) and bool(np.all((acc >= 0) & (acc <= 1)))
+
+  cached = measurements.lookup(_TABLE, key, valid)
+  if cached is not None:
+    return np.asarray(cached, np.float64)
+  files = corpora.corpus_splits(loaded.config.data)['valid'][::2]
+  tokenizer = loaded.tokenizer
+  prompts = code_prompts(files, tokenizer, num_prompts, max_tokens=96, min_tokens=16) \
+      if files else []
+  if not prompts:
+    raise ValueError('no validation files to measure head accuracies on for tree="auto"; '
+                     'use tree="default" or "chain"')
+  acc = calibrate(loaded.model, [tokenizer.encode(p) for p in prompts], max_new_tokens=128,
+                  top_k=top_k, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  measurements.store(_TABLE, key, acc.tolist())
+  return acc

@@ -7,7 +7,8 @@ to dozens of tokens), so the default tree size is chosen from a measured curve:
 
   * `measure_step_cost` times one cached step (trunk, heads that run in the pass, and the
     logits of every node) for a few T, in a compiled loop so dispatch overhead is left out;
-  * `step_cost` caches the relative curve in a small JSON file per (device kind, model shape);
+  * `step_cost` keeps the relative curve in the measurement cache per (device kind, model
+    shape);
   * `choose_tree` picks the tree size that maximises expected tokens per unit of cost, given
     the heads' measured top-k accuracies (`trees.choose_tree_size`).
 """
@@ -15,9 +16,6 @@ to dozens of tokens), so the default tree size is chosen from a measured curve:
 from __future__ import annotations
 
 import functools
-import json
-import os
-import tempfile
 import time
 from typing import Mapping, Sequence
 
@@ -26,18 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.decode import measurements
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
 from mtp.model import transformer
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32)
-_FILE_NAME = 'step_cost.json'
-
-
-def default_cache_dir() -> str:
-  """$MTP_CACHE_DIR, else ~/.cache/mtp."""
-  return os.environ.get('MTP_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache',
-                                                         'mtp')
+_TABLE = 'step_cost.json'
 
 
 def device_kind() -> str:
@@ -47,12 +40,14 @@ def device_kind() -> str:
 
 
 def model_key(model) -> str:
-  """A string naming everything about the model's shape that changes a step's cost."""
-  c = model.cfg.trunk
+  """A string naming everything about the model's shape that changes a step's cost (a model,
+  or its `ModelConfig`)."""
+  cfg = getattr(model, 'cfg', model)
+  c = cfg.trunk
   return (f'V{c.vocab_size}-D{c.embed_dim}-L{c.num_layers}-H{c.num_attention_heads}'
           f'-KV{c.num_kv_heads}'
-          f'-hd{c.head_dim}-mlp{c.mlp_dim}-{c.dtype}-{model.cfg.mtp_head_type}'
-          f'{model.mtp_num_heads}')
+          f'-hd{c.head_dim}-mlp{c.mlp_dim}-{c.dtype}-{cfg.mtp_head_type}'
+          f'{cfg.mtp_num_heads}')
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'num_tokens', 'batch_size',
@@ -120,60 +115,38 @@ def relative(costs: Mapping[int, float]) -> dict[int, float]:
   return {int(t): float(c) / float(costs[1]) for t, c in sorted(costs.items())}
 
 
-def step_cost(model, *, cache_dir: str | None = None,
-              token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, batch_size: int = 1,
-              refresh: bool = False, **measure_kwargs) -> dict[int, float]:
-  """The relative cost curve {T: cost(T) / cost(1)}, measured once and cached on disk.
-
-  The cache is a JSON file `step_cost.json` in cache_dir (default `default_cache_dir()`),
-  keyed by device kind, model shape, batch size and the token counts.
+def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
+              batch_size: int = 1, refresh: bool = False, **measure_kwargs) -> dict[int, float]:
+  """The relative cost curve {T: cost(T) / cost(1)}, measured once and kept in the measurement
+  cache (`measurements.py`, `step_cost.json`), keyed by device kind, model shape, batch size
+  and the token counts.
 
   Args:
     model: an `MTPModel`.
-    cache_dir: where the JSON file lives.
     token_counts: the T to measure (1 is always added).
     batch_size: rows per step.
     refresh: measure again even when cached.
     **measure_kwargs: passed to `measure_step_cost`.
   """
   token_counts = tuple(sorted(set(int(t) for t in token_counts) | {1}))
-  path = os.path.join(cache_dir or default_cache_dir(), _FILE_NAME)
   key = f'{device_kind()}|{model_key(model)}|B{batch_size}|T{",".join(map(str, token_counts))}'
-  table = read_table(path)
-  if not refresh and key in table:
-    return {int(t): float(c) for t, c in table[key]['relative'].items()}
+
+  def valid(entry) -> bool:
+    curve = {int(t): float(c) for t, c in entry['relative'].items()}
+    return set(curve) == set(token_counts) and all(c > 0 for c in curve.values())
+
+  cached = None if refresh else measurements.lookup(_TABLE, key, valid)
+  if cached is not None:
+    return {int(t): float(c) for t, c in cached['relative'].items()}
   seconds = measure_step_cost(model, token_counts, batch_size=batch_size, **measure_kwargs)
   curve = relative(seconds)
-  table = read_table(path)  # Another process may have written meanwhile: keep its entries.
-  table[key] = {'relative': {str(t): c for t, c in curve.items()},
-                'seconds': {str(t): c for t, c in seconds.items()}}
-  write_table(path, table)
+  measurements.store(_TABLE, key, {'relative': {str(t): c for t, c in curve.items()},
+                                   'seconds': {str(t): c for t, c in seconds.items()}})
   return curve
 
 
-def read_table(path: str) -> dict:
-  """The JSON table cached at `path`; {} when missing or corrupt (then measured again)."""
-  try:
-    with open(path) as f:
-      table = json.load(f)
-    return table if isinstance(table, dict) else {}
-  except (OSError, ValueError):
-    return {}  # Missing or corrupt: measure again.
-
-
-def write_table(path: str, table: dict) -> None:
-  """Writes the table atomically (readers never see half a file)."""
-  directory = os.path.dirname(path)
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, suffix='.tmp')
-  with os.fdopen(fd, 'w') as f:
-    json.dump(table, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)  # Atomic: readers never see half a file.
-
-
 def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = None,
-                candidates: Sequence[int] | None = None,
-                cache_dir: str | None = None) -> trees_lib.Tree:
+                candidates: Sequence[int] | None = None) -> trees_lib.Tree:
   """The default candidate tree for `model` on the hardware in use.
 
   Args:
@@ -185,7 +158,6 @@ def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = No
       once per device kind and model shape, then read from the cache).
     candidates: tree sizes (nodes, root included) to consider; default every size the cost
       curve covers, from 2 up.
-    cache_dir: for `step_cost`.
 
   Returns:
     The tree with the best expected tokens per unit of verification cost.
@@ -200,7 +172,7 @@ def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = No
     raise ValueError(f'accuracies must be [num_heads, top_k], got shape {acc.shape}')
   acc = acc[:num_heads]
   if cost is None:
-    cost = step_cost(model, cache_dir=cache_dir)
+    cost = step_cost(model)
   most = sum(acc.shape[1] ** d for d in range(1, acc.shape[0] + 1)) + 1
   if candidates is None:
     candidates = range(2, max(cost) + 1)

@@ -1,25 +1,21 @@
 """Cost curve: measured, cached per device and model shape; tree size follows the curve."""
 
-import json
-import os
-
 import numpy as np
 import pytest
 
 from mtp.decode import cost_model
+from mtp.decode import measurements
 from mtp.model import testing
 
 ACCURACIES = [[0.7, 0.1, 0.05], [0.6, 0.1, 0.05], [0.5, 0.1, 0.05]]
 
 
 def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   model = testing.tiny_model(0, num_layers=1)
-  curve = cost_model.step_cost(model, cache_dir=str(tmp_path), token_counts=(4,),
-                               iterations=2, repeats=1)
+  curve = cost_model.step_cost(model, token_counts=(4,), iterations=2, repeats=1)
   assert sorted(curve) == [1, 4] and curve[1] == 1.0 and curve[4] > 0
-  with open(os.path.join(tmp_path, 'step_cost.json')) as f:
-    table = json.load(f)
-  (key, entry), = table.items()
+  (key, entry), = measurements.read_table('step_cost.json').items()
   assert cost_model.device_kind() in key and cost_model.model_key(model) in key
   assert set(entry['seconds']) == {'1', '4'}
 
@@ -27,20 +23,20 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     raise AssertionError('measured again')
 
   monkeypatch.setattr(cost_model, 'measure_step_cost', fail)
-  assert cost_model.step_cost(model, cache_dir=str(tmp_path), token_counts=(4,)) == curve
+  assert cost_model.step_cost(model, token_counts=(4,)) == curve
   # Another model shape is another entry.
   with pytest.raises(AssertionError, match='measured again'):
     cost_model.step_cost(testing.tiny_model(0, num_layers=1, head_type='parallel'),
-                         cache_dir=str(tmp_path), token_counts=(4,))
+                         token_counts=(4,))
 
 
 def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
-  with open(os.path.join(tmp_path, 'step_cost.json'), 'w') as f:
-    f.write('{not json')
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  measurements.root().mkdir(parents=True)
+  (measurements.root() / 'step_cost.json').write_text('{not json')
   monkeypatch.setattr(cost_model, 'measure_step_cost',
                       lambda model, counts, **kw: {t: 1e-3 * t for t in counts})
-  curve = cost_model.step_cost(testing.tiny_model(0), cache_dir=str(tmp_path),
-                               token_counts=(2, 8))
+  curve = cost_model.step_cost(testing.tiny_model(0), token_counts=(2, 8))
   assert curve == {1: 1.0, 2: 2.0, 8: 8.0}
 
 

@@ -5,23 +5,21 @@ Drafting projects the heads' features onto the output layer's rows of these N id
 ids. Verification still scores the full vocabulary, so decoding stays exact: a draft
 vocabulary changes which tokens can be drafted, never which are emitted.
 
-Frequencies come from the training split of the model's corpus (`workdir_counts`), counted
-once and cached in the workdir (`token_counts.npy`). Everything here is numpy on the host,
-except `mask_ids` and `to_full_ids`, which run inside the decode loop.
+Frequencies come from the training split of the model's corpus (`corpus_counts`), counted
+once and kept in the measurement cache. Everything here is numpy on the host, except `mask_ids`
+and `to_full_ids`, which run inside the decode loop.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
-import os
 from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-COUNTS_FILE = 'token_counts.npy'
 _CHUNK_TOKENS = 1 << 22  # Tokens per read when counting a streamed (prepared) dataset.
 
 
@@ -130,66 +128,72 @@ def mask_ids(logits: jax.Array, ids: jax.Array, vocab_limit: int | None,
 # ------------------------------------------------------------------------------------------
 
 
-def workdir_counts(workdir, config, tokenizer, vocab_size: int,
-                   refresh: bool = False) -> np.ndarray:
-  """[vocab_size] int64 token counts of the training split of the workdir's corpus, cached.
+def draft_vocabulary(loaded, size: int) -> np.ndarray:
+  """[size] int32 token ids: a loaded model's draft vocabulary of that size (FR-Spec).
 
-  The corpus is the one `config.data` names: a prepared dataset (`data.source`) or files read
-  and packed as training reads them (`pipeline.load_or_build_split`, whose packed cache in
-  `workdir/data_cache` is reused when training left one). For an imported pretrained model
-  that is the corpus its config names (the heads' training data). Padding is not counted.
-
-  The counts are kept in `workdir/token_counts.npy`, written atomically. That file is only a
-  cache: when it is unreadable or does not fit the vocabulary, a warning names it and the
-  counts are made again and written over it.
+  The `size` most frequent ids of the training split of the workdir's corpus (most frequent
+  first; ties by id), ids the model never emits (the pad id, ids past the tokenizer's) last.
   """
-  from mtp.checkpoint import paths  # The data pipeline: only when counting.
-  workdir = paths.as_path(workdir)
-  path = workdir / COUNTS_FILE
+  from mtp.decode import plan  # pylint: disable=import-outside-toplevel  # The emittable rule.
+  vocab_size = loaded.model.cfg.trunk.vocab_size
+  check_size(size, vocab_size)
+  counts = corpus_counts(loaded.config, loaded.tokenizer, vocab_size, loaded.workdir)
+  limit, banned = plan.emittable(loaded.tokenizer, vocab_size)
+  return top_ids(counts, size, excluded=banned, limit=limit)
+
+
+def corpus_counts(config, tokenizer, vocab_size: int, workdir=None,
+                  refresh: bool = False) -> np.ndarray:
+  """[vocab_size] int64 token counts of the training split of `config.data`'s corpus, counted
+  once and kept in the measurement cache (`measurements.py`), keyed by the corpus and the
+  tokenizer.
+
+  The corpus is a prepared dataset (`data.source`) or files read and packed as training reads
+  them (`pipeline.load_or_build_split`; `workdir`'s packed cache in `data_cache` is reused when
+  training left one). For an imported pretrained model that is the corpus its config names (the
+  heads' training data). Padding is not counted. A cached array that does not fit the
+  vocabulary is named in a warning and counted again.
+  """
+  from mtp.decode import measurements  # pylint: disable=import-outside-toplevel
+  name = 'token_counts/' + measurements.digest(
+      config.data.to_dict() if hasattr(config.data, 'to_dict') else dict(config.data),
+      tokenizer.to_json() if hasattr(tokenizer, 'to_json') else repr(tokenizer),
+      vocab_size) + '.npy'
   if not refresh:
-    counts = _read_counts(path, vocab_size)
+    counts = measurements.read_array(name)
     if counts is not None:
-      return counts
+      if (counts.shape == (vocab_size,) and counts.dtype == np.int64
+          and not np.any(counts < 0) and counts.sum()):
+        return counts
+      logging.warning('Ignoring the token-count cache %s (expected [%d] non-negative int64 '
+                      'counts, not all zero; got %s %s); counting again.',
+                      measurements.root() / name, vocab_size, counts.dtype, counts.shape)
   counts = _corpus_counts(workdir, config, tokenizer, vocab_size)
-  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
-  try:  # Renamed into place: a kill mid-write never leaves half a file.
-    with tmp.open('wb') as f:
-      np.save(f, counts)
-    tmp.replace(path)
-  except OSError:
-    tmp.unlink(missing_ok=True)  # A read-only workdir: count again next time.
+  measurements.write_array(name, counts)
   return counts
 
 
-def _read_counts(path, vocab_size: int) -> np.ndarray | None:
-  try:
-    with path.open('rb') as f:
-      counts = np.load(f, allow_pickle=False)
-    if (counts.shape != (vocab_size,) or counts.dtype != np.int64 or np.any(counts < 0)
-        or not counts.sum()):
-      raise ValueError(f'expected [{vocab_size}] non-negative int64 counts, not all zero; got '
-                       f'{counts.dtype} {counts.shape}')
-    return counts
-  except FileNotFoundError:
-    return None  # Not counted yet.
-  except Exception as e:  # pylint: disable=broad-except  # numpy and OS errors alike.
-    logging.warning('Ignoring the token-count cache %s (%s: %s); counting again.', path,
-                    type(e).__name__, e)
-    return None
-
-
 def _corpus_counts(workdir, config, tokenizer, vocab_size: int) -> np.ndarray:
+  return count_tokens(corpus_tokens(config, tokenizer, workdir), vocab_size)
+
+
+def corpus_tokens(config, tokenizer, workdir=None,
+                  max_tokens: int | None = None) -> Iterable[np.ndarray]:
+  """The training split of `config.data`'s corpus as token arrays (padding left out), in
+  order, up to about `max_tokens` (None: all): a prepared dataset read a chunk at a time, or
+  the files packed as training packs them."""
   from mtp.checkpoint import paths
   from mtp.data import pipeline
   from mtp.data import shards
   data = config.data
   if data.get('source'):
     reader = shards.open_dataset(data.source).split('train')
-
-    def chunks():
-      for start in range(0, reader.num_tokens, _CHUNK_TOKENS):
-        yield from reader.pieces(start, min(start + _CHUNK_TOKENS, reader.num_tokens))
-    return count_tokens(chunks(), vocab_size)
-  arrays = pipeline.load_or_build_split(data, tokenizer, 'train',
-                                        paths.local_dir(workdir, 'data_cache'))
-  return count_tokens([arrays['tokens'][arrays['segment_ids'] != 0]], vocab_size)
+    end = reader.num_tokens if max_tokens is None else min(reader.num_tokens, max_tokens)
+    for start in range(0, end, _CHUNK_TOKENS):
+      yield from reader.pieces(start, min(start + _CHUNK_TOKENS, end))
+    return
+  cache = (paths.local_dir(workdir, 'data_cache') if workdir is not None
+           else paths.cache_root() / 'data_cache')
+  arrays = pipeline.load_or_build_split(data, tokenizer, 'train', cache)
+  tokens = arrays['tokens'][arrays['segment_ids'] != 0]
+  yield tokens if max_tokens is None else tokens[:max_tokens]

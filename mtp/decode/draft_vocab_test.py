@@ -1,4 +1,4 @@
-"""Draft vocabularies (FR-Spec): ranking, the workdir's cached counts, and decoding with one.
+"""Draft vocabularies (FR-Spec): ranking, a corpus's cached counts, and decoding with one.
 
 Decoding through a draft vocabulary stays exact (greedy output equals autoregressive output,
 chains and trees, every family that feeds its drafts back), drafts never leave the draft
@@ -8,7 +8,6 @@ vocabulary drafts.
 
 import logging
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -17,8 +16,9 @@ import pytest
 from mtp.data import pipeline
 from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import draft_vocab
-from mtp.decode import driver
-from mtp.decode import request as request_lib
+from mtp.decode import engine as engine_lib
+from mtp.decode import measurements
+from mtp.decode import testing as decode_testing
 from mtp.decode import trees
 from mtp.model import testing
 
@@ -67,7 +67,7 @@ def test_count_tokens_and_check_ids_refuse_bad_ids():
 
 
 # ------------------------------------------------------------------------------------------
-# A workdir's counts, cached.
+# A corpus's counts, cached.
 # ------------------------------------------------------------------------------------------
 
 
@@ -83,77 +83,71 @@ def corpus_config(tmp_path):
       'seq_len': 32, 'max_corpus_bytes': -1, 'source': ''}})
 
 
-def test_workdir_counts_count_the_training_split_once(corpus_config, tmp_path, monkeypatch,
-                                                      caplog):
+def test_corpus_counts_count_the_training_split_once(corpus_config, tmp_path, monkeypatch,
+                                                     caplog):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'cache'))
   tok = tokenizer_lib.byte_tokenizer()
   workdir = tmp_path / 'workdir'
   workdir.mkdir()
-  counts = draft_vocab.workdir_counts(workdir, corpus_config, tok, 264)
+  counts = draft_vocab.corpus_counts(corpus_config, tok, 264, workdir)
   train = pipeline.split_texts(corpus_config.data, 'train')
   # Every byte of every training file, plus one EOS per file; no padding.
   assert counts.sum() == sum(len(t.encode()) + 1 for t in train)
   (x,) = tok.encode('x')
   assert counts[x] == sum(t.count('x') for t in train) > 0
-  np.testing.assert_array_equal(np.load(workdir / draft_vocab.COUNTS_FILE), counts)
-  assert not list(workdir.glob('.*tmp'))
+  [cached] = (measurements.root() / 'token_counts').glob('*.npy')
+  np.testing.assert_array_equal(np.load(cached), counts)
+  assert not list(cached.parent.glob('.*tmp'))
 
   # Cached: counting again is not needed.
   monkeypatch.setattr(draft_vocab, '_corpus_counts', lambda *a: pytest.fail('counted again'))
-  np.testing.assert_array_equal(draft_vocab.workdir_counts(workdir, corpus_config, tok, 264),
+  np.testing.assert_array_equal(draft_vocab.corpus_counts(corpus_config, tok, 264, workdir),
                                 counts)
 
-  # A corrupt or mismatched cache is named and rebuilt.
+  # A corrupt or mismatched cache is named and counted again.
   monkeypatch.undo()
-  (workdir / draft_vocab.COUNTS_FILE).write_bytes(b'not numpy')
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'cache'))
+  cached.write_bytes(b'not numpy')
   with caplog.at_level(logging.WARNING):
-    again = draft_vocab.workdir_counts(workdir, corpus_config, tok, 264)
-  assert 'token-count cache' in caplog.text and draft_vocab.COUNTS_FILE in caplog.text
+    again = draft_vocab.corpus_counts(corpus_config, tok, 264, workdir)
+  assert 'measurement cache' in caplog.text and cached.name in caplog.text
   np.testing.assert_array_equal(again, counts)
   caplog.clear()
+  np.save(cached, counts[:10])
   with caplog.at_level(logging.WARNING):
-    wider = draft_vocab.workdir_counts(workdir, corpus_config, tok, 300)
-  assert 'token-count cache' in caplog.text and wider.shape == (300,)
-  np.testing.assert_array_equal(wider[:264], counts)
+    np.testing.assert_array_equal(draft_vocab.corpus_counts(corpus_config, tok, 264, workdir),
+                                  counts)
+  assert 'token-count cache' in caplog.text
 
 
 # ------------------------------------------------------------------------------------------
-# Requests.
+# Plans.
 # ------------------------------------------------------------------------------------------
 
 
-def test_make_request_checks_the_draft_vocab_size():
-  cfg = testing.tiny_config(mtp_num_heads=3)
-  request = request_lib.make_request(cfg, 8, max_new_tokens=4, draft_vocab_size=16)
-  assert request.draft_vocab_size == 16
-  assert request_lib.make_request(cfg, 8, max_new_tokens=4).draft_vocab_size == 0
+def _engine(model, **options):
+  return decode_testing.engine(model, max_new_tokens=MAX_NEW, **options)
+
+
+def test_the_plan_checks_the_draft_vocabulary():
+  model = testing.tiny_model(0, mtp_num_heads=3)
+  assert _engine(model, draft_vocab=SMALL).plan.draft_vocab_size == 16
+  assert _engine(model).plan.draft_vocab_size == 0
   for bad in (-1, VOCAB + 1, 2.5, True):
     with pytest.raises(ValueError, match=r'draft_vocab \(--draft_vocab\) must be an integer in '
                                          r'\[0, 61\]'):
-      request_lib.make_request(cfg, 8, max_new_tokens=4, draft_vocab_size=bad)
+      _engine(model, draft_vocab=bad)
   with pytest.raises(ValueError, match="'autoregressive' drafts nothing with heads"):
-    request_lib.make_request(cfg, 8, max_new_tokens=4, decoder='autoregressive',
-                             draft_vocab_size=16)
+    _engine(model, decoder='autoregressive', draft_vocab=SMALL)
   with pytest.raises(ValueError, match="'auto' drafts nothing with heads"):
-    request_lib.make_request(testing.tiny_config(mtp_num_heads=0), 8, max_new_tokens=4,
-                             decoder='auto', draft_vocab_size=16)
+    _engine(testing.tiny_model(0, mtp_num_heads=0), decoder='auto', draft_vocab=SMALL)
   with pytest.raises(ValueError, match=r"top-3 drafts of a head, more than the draft "
                                        r"vocabulary's 2 ids"):
-    request_lib.make_request(cfg, 8, max_new_tokens=4, tree=TREE, draft_vocab_size=2)
-
-
-def test_decoding_checks_the_ids_against_the_request():
-  model = testing.tiny_model(0, mtp_num_heads=3)
-  prompts = testing.random_tokens((1, 4), VOCAB)
-  request = request_lib.make_request(model.cfg, 4, max_new_tokens=4, draft_vocab_size=16)
-  with pytest.raises(ValueError, match='pass them'):
-    driver.decode(model, prompts, np.array([4]), request)
-  with pytest.raises(ValueError, match=r'must be \[16\] integer ids'):
-    driver.decode(model, prompts, np.array([4]), request, draft_vocab=SMALL[:8])
+    _engine(model, tree=TREE, draft_vocab=SMALL[:2])
   with pytest.raises(ValueError, match='distinct'):
-    driver.generate(model, prompts, max_new_tokens=4, draft_vocab=np.zeros(16, np.int32))
-  with pytest.raises(ValueError, match='drafts nothing with heads'):
-    driver.generate(model, prompts, max_new_tokens=4, decoder='autoregressive',
-                    draft_vocab=SMALL)
+    _engine(model, draft_vocab=np.zeros(16, np.int32))
+  with pytest.raises(ValueError, match='counts the training corpus'):
+    _engine(model, draft_vocab=16)  # A size needs a workdir's corpus to count.
 
 
 # ------------------------------------------------------------------------------------------
@@ -168,8 +162,8 @@ def prompts():
 
 @pytest.fixture(scope='module')
 def reference(prompts):
-  return driver.generate(testing.tiny_model(0, mtp_num_heads=0), prompts, PROMPT_LENGTHS,
-                         max_new_tokens=MAX_NEW, decoder='autoregressive')
+  return decode_testing.decode(testing.tiny_model(0, mtp_num_heads=0), prompts, PROMPT_LENGTHS,
+                               max_new_tokens=MAX_NEW, decoder='autoregressive')
 
 
 @pytest.mark.parametrize('head_type,tree', [
@@ -178,8 +172,8 @@ def reference(prompts):
 def test_greedy_output_with_a_draft_vocab_equals_autoregressive(prompts, reference, head_type,
                                                                tree):
   model = testing.tiny_model(0, head_type=head_type)  # The head-less reference's trunk.
-  out = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=tree,
-                        draft_vocab=SMALL)
+  out = decode_testing.decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                              tree=tree, draft_vocab=SMALL)
   np.testing.assert_array_equal(out.tokens, reference.tokens)
   np.testing.assert_array_equal(out.num_generated, reference.num_generated)
 
@@ -187,16 +181,14 @@ def test_greedy_output_with_a_draft_vocab_equals_autoregressive(prompts, referen
 def _slots(model, prompts, tree, ids, steps, **options):
   """Drafts [B, N - 1] after the prefill and after each of `steps` loop steps, and the
   tokens."""
-  request = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=MAX_NEW,
-                                     tree=tree, draft_vocab_size=0 if ids is None else len(ids),
-                                     **options)
-  slots = driver.Slots(model, request, prompts.shape[0], draft_vocab=ids)
-  slots.join(prompts, PROMPT_LENGTHS, np.ones(prompts.shape[0], bool))
-  drafts = [np.asarray(slots.state.drafts)]
+  engine = _engine(model, tree=tree, draft_vocab=ids, **options)
+  state = engine.prefill(prompts, PROMPT_LENGTHS, decode_testing.settings(
+      engine, prompts.shape[0], max_new_tokens=MAX_NEW))
+  drafts = [np.asarray(state.drafters[0].drafts)]
   for _ in range(steps):
-    slots.run(1)
-    drafts.append(np.asarray(slots.state.drafts))
-  return np.stack(drafts), np.asarray(slots.result().tokens)
+    state = engine.step(state, 1)
+    drafts.append(np.asarray(state.drafters[0].drafts))
+  return np.stack(drafts), engine.result(state).tokens
 
 
 @pytest.mark.parametrize('head_type,tree', [('medusa', TREE), ('sequential', None),
@@ -237,8 +229,7 @@ def test_the_heads_project_onto_the_draft_vocabulary_rows():
 def test_drafts_stay_inside_the_draft_vocabulary_and_the_emittable_ids(prompts):
   model = testing.tiny_model(0, head_type='medusa')
   banned, limit = int(SMALL[0]), 50  # The most frequent id is banned; ids >= 50 too.
-  drafts, _ = _slots(model, prompts, TREE, SMALL, steps=4, banned_ids=(banned,),
-                     vocab_limit=limit)
+  drafts, _ = _slots(model, prompts, TREE, SMALL, steps=4, emittable_ids=(limit, (banned,)))
   allowed = [i for i in SMALL if i != banned and i < limit]
   assert len(allowed) >= 3  # The tree's top-3 can all be allowed ids.
   assert np.isin(drafts, allowed).all(), drafts
@@ -246,18 +237,19 @@ def test_drafts_stay_inside_the_draft_vocabulary_and_the_emittable_ids(prompts):
 
 def test_a_new_draft_vocabulary_of_the_same_size_does_not_recompile(prompts, reference):
   model = testing.tiny_model(0, head_type='medusa')
-  driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, draft_vocab=SMALL)
-  compiled = driver._run._cache_size()  # pylint: disable=protected-access
-  out = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
-                        draft_vocab=ORDER[-16:])
-  assert driver._run._cache_size() == compiled  # pylint: disable=protected-access
+  decode_testing.decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                        draft_vocab=SMALL)
+  compiled = engine_lib.compilations()
+  out = decode_testing.decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                              draft_vocab=ORDER[-16:])
+  assert engine_lib.compilations() == compiled
   np.testing.assert_array_equal(out.tokens, reference.tokens)
 
 
 def test_sampling_with_a_draft_vocabulary_runs(prompts):
   model = testing.tiny_model(0, head_type='medusa')
-  out = driver.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=TREE,
-                        temperature=1.0, rng=jax.random.key(3), draft_vocab=SMALL)
+  out = decode_testing.decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                              tree=TREE, temperature=1.0, seed=3, draft_vocab=SMALL)
   tokens = np.asarray(out.tokens)
   np.testing.assert_array_equal(out.num_generated, MAX_NEW)
   assert ((tokens >= 0) & (tokens < VOCAB)).all()
@@ -269,17 +261,19 @@ def test_sampling_with_a_draft_vocabulary_runs(prompts):
 # ------------------------------------------------------------------------------------------
 
 
-def test_generate_with_a_draft_vocab_counts_once_and_keeps_the_output(tmp_path):
+def test_generate_with_a_draft_vocab_counts_once_and_keeps_the_output(tiny_workdir, tmp_path,
+                                                                      monkeypatch):
   import mtp  # pylint: disable=import-outside-toplevel
-  from mtp.train import testing as train_testing  # pylint: disable=import-outside-toplevel
-  loaded = mtp.load(train_testing.train_tiny_workdir(tmp_path / 'w'))
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'cache'))
+  loaded = mtp.load(tiny_workdir)
   prompts = ['def f(x):\n    return', 'import os\n']
   options = dict(max_new_tokens=12, decoder='speculative', tree='default')
   full = mtp.generate(loaded, prompts, **options)
   small = mtp.generate(loaded, prompts, draft_vocab=32, **options)
   assert [g.tokens for g in small] == [g.tokens for g in full]
-  counts = np.load(loaded.workdir / draft_vocab.COUNTS_FILE)
-  ids = mtp.api.draft_vocabulary(loaded, 32)
+  [cached] = (measurements.root() / 'token_counts').glob('*.npy')
+  counts = np.load(cached)
+  ids = draft_vocab.draft_vocabulary(loaded, 32)
   np.testing.assert_array_equal(ids, draft_vocab.top_ids(counts, 32, excluded=(),
                                                          limit=loaded.tokenizer.vocab_size))
   assert counts[ids].min() >= np.delete(counts, ids).max()  # The most frequent ids.

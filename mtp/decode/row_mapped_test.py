@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp.decode import driver
-from mtp.decode import request as request_lib
 from mtp.decode import row_mapped
 from mtp.decode import state as state_lib
+from mtp.decode import testing as decode_testing
 from mtp.model import testing as model_testing
 
 PROMPTS = [[5, 9, 11, 3], [7, 7], [1, 2, 3, 4, 5, 6, 7], [12]]
@@ -41,24 +40,30 @@ def test_row_mapped_calls_equal_batch_of_one_bit_for_bit():
       np.testing.assert_array_equal(np.asarray(g[row]), np.asarray(w[0]))
 
 
+def _engine(model, decoder, exact):
+  return decode_testing.engine(model, decoder, max_new_tokens=6, exact=exact)
+
+
+def _alone(model, decoder, tokens, lengths):
+  engine = _engine(model, decoder, exact=False)
+  return [engine.generate(tokens[r:r + 1], lengths[r:r + 1],
+                          decode_testing.settings(engine, 1, max_new_tokens=6))
+          for r in range(len(PROMPTS))]
+
+
 @pytest.mark.parametrize('decoder', ['speculative', 'autoregressive'])
 def test_row_mapped_decode_equals_batch_of_one_with_fillers_and_stops(decoder):
   model = state_lib.prepare(_model())
   tokens, lengths = state_lib.pad_prompts(PROMPTS, multiple=8)
-
-  def request(rows_mapped):
-    return request_lib.make_request(model.cfg, tokens.shape[1], max_new_tokens=6,
-                                    decoder=decoder, row_mapped=rows_mapped)
-  alone = [jax.device_get(driver.decode(model, tokens[r:r + 1], lengths[r:r + 1],
-                                        request(False))) for r in range(len(PROMPTS))]
+  alone = _alone(model, decoder, tokens, lengths)
+  engine = _engine(model, decoder, exact=True)
   active = np.array([True, True, False, True])  # Row 2 is a filler.
-  polls = []
-
-  def stop():  # Row 3 stops after its first chunk.
-    polls.append(1)
-    return np.array([False, False, False, len(polls) > 1])
-  *_, last = driver.decode_chunks(model, tokens, lengths, request(True), steps_per_chunk=1,
-                                  active=active, stop=stop)
+  state = engine.prefill(tokens, lengths, decode_testing.settings(engine, 4, max_new_tokens=6),
+                         active)
+  state = engine.step(state, 1)
+  state = engine.evict(state, np.array([False, False, False, True]))  # Row 3 stops.
+  state = engine.step(state, 10)
+  last = engine.result(state)
   for row in (0, 1):
     np.testing.assert_array_equal(last.tokens[row], alone[row].tokens[0])
     np.testing.assert_array_equal(last.accepted_histogram[row],
@@ -68,32 +73,34 @@ def test_row_mapped_decode_equals_batch_of_one_with_fillers_and_stops(decoder):
   np.testing.assert_array_equal(last.tokens[3, :2], alone[3].tokens[0, :2])
 
 
-def test_slots_rows_joining_between_chunks_equal_batch_of_one():
+def test_rows_joining_between_chunks_equal_batch_of_one():
   model = state_lib.prepare(_model())
   tokens, lengths = state_lib.pad_prompts(PROMPTS, multiple=8)
-  request = request_lib.make_request(model.cfg, tokens.shape[1], max_new_tokens=6,
-                                     row_mapped=True)
-  alone = [jax.device_get(driver.decode(model, tokens[r:r + 1], lengths[r:r + 1],
-                                        request_lib.make_request(
-                                            model.cfg, tokens.shape[1], max_new_tokens=6)))
-           for r in range(len(PROMPTS))]
-  slots = driver.Slots(model, request, 4)
-  slots.join(tokens, lengths, [True, False, False, False])
-  slots.run(1)
-  slots.join(tokens, lengths, [False, True, True, False])  # Rows 1, 2 join row 0 mid-way.
-  slots.run(2)
-  slots.stop([False, False, True, False])  # Row 2 leaves early.
-  slots.join(tokens, lengths, [False, False, False, True])
+  alone = _alone(model, 'speculative', tokens, lengths)
+  engine = _engine(model, 'speculative', exact=True)
+  rows = decode_testing.settings(engine, 4, max_new_tokens=6)
+
+  def join(state, prompts, prompt_lengths, joining):
+    joining = np.asarray(joining)
+    return engine.insert(state, engine.prefill(prompts, prompt_lengths, rows, joining),
+                         joining)
+
+  state = join(None, tokens, lengths, [True, False, False, False])
+  state = engine.step(state, 1)
+  state = join(state, tokens, lengths, [False, True, True, False])  # Rows 1, 2 join mid-way.
+  state = engine.step(state, 2)
+  state = engine.evict(state, np.array([False, False, True, False]))  # Row 2 leaves early.
+  state = join(state, tokens, lengths, [False, False, False, True])
   for _ in range(8):
-    slots.run(1)
-  last = slots.result()
+    state = engine.step(state, 1)
+  last = engine.result(state)
   for row in (0, 1, 3):
     np.testing.assert_array_equal(last.tokens[row], alone[row].tokens[0])
     np.testing.assert_array_equal(last.accepted_histogram[row],
                                   alone[row].accepted_histogram[0])
   assert last.num_steps[2] == 2
   # The row that left, reused: a new prompt in slot 2 equals its own batch of one.
-  slots.join(tokens[::-1].copy(), lengths[::-1].copy(), [False, False, True, False])
+  state = join(state, tokens[::-1].copy(), lengths[::-1].copy(), [False, False, True, False])
   for _ in range(8):
-    slots.run(1)
-  np.testing.assert_array_equal(slots.result().tokens[2], alone[1].tokens[0])
+    state = engine.step(state, 1)
+  np.testing.assert_array_equal(engine.result(state).tokens[2], alone[1].tokens[0])

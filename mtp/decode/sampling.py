@@ -1,8 +1,10 @@
 """Sampling and exact acceptance rules for self-speculative decoding.
 
-Everything here is a pure, jittable jnp function batched over rows B. Sampling settings
-(temperature, top_k, top_p) are static Python numbers: temperature 0 selects the greedy code
-path at trace time, so nothing divides by zero.
+Everything here is a pure, jittable jnp function batched over rows B. Sampling settings are
+per-row data, not compile-time constants: temperature [B] (0 = greedy), top_k [B] (0 = off) and
+top_p [B] (1 = off), so rows with any mix of settings share one compiled decoder (a Python
+number stands for every row). Randomness is per row too: functions that draw take one PRNG key
+per row ([B] keys), so what a row draws never depends on the other rows.
 
 Acceptance rules verify drafted tokens against the trunk's predictions from one forward pass:
   * greedy: accept the longest run of drafts equal to the trunk's argmax; the output equals plain
@@ -10,6 +12,9 @@ Acceptance rules verify drafted tokens against the trunk's predictions from one 
   * sampling: speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023), and its
     multi-candidate form on trees (SpecInfer, Miao et al. 2023); every emitted token is
     distributed exactly as sampling from the target distribution p one token at a time.
+A greedy row is a sampled row whose target is one-hot at the argmax, so `accept` runs the
+rejection sampler on mixed batches, and the cheaper greedy rule alone when every row is greedy:
+both give a greedy row the same tokens.
 
 Conventions: the target at candidate position i (chain) or node n (tree) is the trunk's
 distribution of the token that follows it. Position 0 / node 0 is the last accepted token.
@@ -29,6 +34,11 @@ from mtp.decode import trees as trees_lib
 from mtp.model import kv_cache as kv_cache_lib
 
 _NEG_INF = -jnp.inf
+# Top-k and top-p look for their thresholds among this many top logits first (a partial top_k
+# is cheap), and fall back to an exact bisection over the whole vocabulary when some row needs
+# more. A full sort would be simpler but costs 4.4 s on CPU for [192, 49152] logits (top_k(256):
+# 0.06 s, bisection: 0.8 s).
+_TOP_CANDIDATES = 256
 
 
 def validate_sampling(temperature, top_k, top_p, vocab_size: int | None = None) -> None:
@@ -62,66 +72,61 @@ def mask_vocab(logits: jnp.ndarray, vocab_limit: int | None,
   return jnp.where(jnp.asarray(allowed), logits, _NEG_INF)
 
 
-def _is_greedy(temperature) -> bool:
-  if not isinstance(temperature, numbers.Real):
-    raise TypeError('temperature must be a static Python number (0 selects the greedy code '
-                    f'path at trace time), got {type(temperature).__name__}')
-  return temperature == 0
+def _per_row(value, like: jnp.ndarray, dtype) -> jnp.ndarray:
+  """A setting against logits `like` [B, ..., V]: a number stays a scalar (every row, whatever
+  the logits' shape), [B] becomes [B, 1, ..., 1]."""
+  value = jnp.asarray(value, dtype)
+  if not value.ndim:
+    return value
+  return value.reshape(value.shape + (1,) * (like.ndim - value.ndim))
 
 
-def shape_logits(logits: jnp.ndarray, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0) -> jnp.ndarray:
-  """Applies temperature, then top-k, then top-p, masking removed tokens to -inf.
+def shape_logits(logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0) -> jnp.ndarray:
+  """Applies temperature, then top-k, then top-p, per row, masking removed tokens to -inf.
 
   Args:
-    logits: [..., V].
-    temperature: static; 0 = greedy: every token but the argmax is masked.
-    top_k: static; 0 = off. Tokens tied with the k-th largest logit are kept too.
-    top_p: static; 1.0 = off; keeps the smallest prefix of the sorted (post top-k)
+    logits: [B, ..., V].
+    temperature: [B] or a number; 0 = greedy: every token but the argmax is masked.
+    top_k: [B] or a number; 0 = off. Tokens tied with the k-th largest logit are kept too.
+    top_p: [B] or a number; 1 = off; keeps the smallest prefix of the sorted (post top-k)
       distribution whose mass reaches top_p, plus ties with its last logit. The top token
       always stays.
 
   Returns:
-    [..., V] float32 logits of the shaped distribution.
+    [B, ..., V] float32 logits of the shaped distribution.
   """
-  greedy = _is_greedy(temperature)
-  validate_sampling(temperature, top_k, top_p, logits.shape[-1])
   logits = logits.astype(jnp.float32)
-  if greedy:
-    best = jnp.argmax(logits, axis=-1)
-    keep = jnp.arange(logits.shape[-1]) == best[..., None]
-    return jnp.where(keep, logits, _NEG_INF)
-  if temperature != 1:
-    # In a form that stays finite for any temperature > 0: the top logit becomes exactly 0 and
-    # the others x / T <= 0, which may underflow to -inf but never gives inf - inf = NaN (a plain
-    # softmax(logits / 1e-10) does on float32, and a temperature that rounds to 0 in float32
-    # would divide 0 by 0).
-    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
-    logits = jnp.where(shifted == 0, 0.0, shifted / jnp.float32(temperature))
-  use_k = 0 < top_k < logits.shape[-1]
+  temperature = _per_row(temperature, logits, jnp.float32)
+  top_k = _per_row(top_k, logits, jnp.int32)
+  top_p = _per_row(top_p, logits, jnp.float32)
+  greedy = temperature == 0
+  # In a form that stays finite for any temperature > 0: the top logit becomes exactly 0 and the
+  # others x / T <= 0, which may underflow to -inf but never gives inf - inf = NaN (a plain
+  # softmax(logits / 1e-10) does on float32).
+  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+  scaled = jnp.where(shifted == 0, 0.0, shifted / jnp.where(greedy, 1.0, temperature))
+  v = logits.shape[-1]
+  top = jax.lax.top_k(scaled, min(_TOP_CANDIDATES, v))[0]  # [..., C], descending.
+  use_k = (top_k > 0) & (top_k < v)
+  kth = jnp.take_along_axis(top, jnp.broadcast_to(jnp.clip(top_k - 1, 0, top.shape[-1] - 1),
+                                                  top.shape[:-1] + (1,)), axis=-1)
+  if top.shape[-1] < v:  # A row whose k exceeds the candidates: count over the whole row.
+    exact = lambda: jnp.where(top_k > top.shape[-1], _from_order_keys(_largest_threshold(  # noqa
+        _order_keys(scaled), jnp.ones_like(scaled), top_k.astype(jnp.float32))), kth)
+    kth = jax.lax.cond(jnp.any(use_k & (top_k > top.shape[-1])), exact, lambda: kth)
+  scaled = jnp.where(use_k & (scaled < kth), _NEG_INF, scaled)
+  top = jnp.where(use_k & (top < kth), _NEG_INF, top)
   use_p = top_p < 1
-  if not (use_k or use_p):
-    return logits
-  if use_k:
-    top = jax.lax.top_k(logits, top_k)[0]  # [..., k], descending.
-    # min, not top[..., -1:]: XLA rewrites a slice of top_k into a full (slow on CPU) sort.
-    logits = jnp.where(logits >= jnp.min(top, axis=-1, keepdims=True), logits, _NEG_INF)
-  if use_p:
-    if not use_k:
-      top = jax.lax.top_k(logits, min(_TOP_P_CANDIDATES, logits.shape[-1]))[0]
-    logits = jnp.where(logits >= _top_p_threshold(logits, top, top_p), logits, _NEG_INF)
-  return logits
+  threshold = jax.lax.cond(jnp.any(use_p), lambda: _top_p_threshold(scaled, top, top_p),
+                           lambda: jnp.full_like(kth, _NEG_INF))
+  scaled = jnp.where(use_p & (scaled < threshold), _NEG_INF, scaled)
+  best = jnp.arange(v) == jnp.argmax(logits, axis=-1)[..., None]
+  return jnp.where(greedy, jnp.where(best, logits, _NEG_INF), scaled)
 
 
-# Top-p looks for its nucleus among this many top logits first (a partial top_k is cheap), and
-# falls back to an exact bisection over the whole vocabulary when some row's nucleus is larger.
-# A full sort would be simpler but costs 4.4 s on CPU for [192, 49152] logits (top_k(256):
-# 0.06 s, bisection: 0.8 s).
-_TOP_P_CANDIDATES = 256
-
-
-def _top_p_threshold(logits: jnp.ndarray, top: jnp.ndarray, top_p: float) -> jnp.ndarray:
-  """Smallest logit of the nucleus: [..., V] logits, [..., C] their C largest, descending."""
+def _top_p_threshold(logits: jnp.ndarray, top: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
+  """Smallest logit of each row's nucleus: [..., V] logits, [..., C] their C largest,
+  descending, top_p broadcastable to [..., 1]."""
   lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
   probs = jnp.exp(top - lse)
   cum = jnp.cumsum(probs, axis=-1)
@@ -169,25 +174,66 @@ def _largest_threshold(keys: jnp.ndarray, weights: jnp.ndarray, target) -> jnp.n
   return jax.lax.fori_loop(0, 32, body, bounds)[0]
 
 
-def target_probs(logits: jnp.ndarray, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0) -> jnp.ndarray:
-  """[..., V] float32 probabilities of the shaped distribution (one-hot argmax if greedy)."""
+def target_probs(logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0) -> jnp.ndarray:
+  """[B, ..., V] float32 probabilities of the shaped distribution (one-hot argmax if greedy)."""
   return jax.nn.softmax(shape_logits(logits, temperature, top_k, top_p), axis=-1)
 
 
-def sample_tokens(rng: jax.Array, logits: jnp.ndarray, temperature: float = 1.0,
-                  top_k: int = 0, top_p: float = 1.0) -> jnp.ndarray:
-  """Samples one token per row. logits: [B, V] -> [B] int32 (argmax if temperature == 0)."""
-  if _is_greedy(temperature):
-    validate_sampling(temperature, top_k, top_p, logits.shape[-1])  # Same errors as sampling.
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  shaped = shape_logits(logits, temperature, top_k, top_p)
-  return jax.random.categorical(rng, shaped, axis=-1).astype(jnp.int32)
+def row_keys(rng, batch_size: int) -> jax.Array:
+  """[B] PRNG keys: `rng` itself if it already holds one key per row, else split from it."""
+  rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == (batch_size,):
+    return rng
+  return jax.random.split(rng, batch_size)
 
 
-def _sample_from_probs(rng: jax.Array, probs: jnp.ndarray) -> jnp.ndarray:
-  """[B, V] non-negative weights (need not sum to 1) -> [B] int32."""
-  return jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)
+def split_rows(keys: jax.Array, num: int = 2) -> tuple[jax.Array, ...]:
+  """[B] keys -> `num` arrays of [B] keys, each row's split from its own key."""
+  split = jax.vmap(lambda k: jax.random.split(k, num))(keys)  # [B, num]
+  return tuple(split[:, i] for i in range(num))
+
+
+def _categorical(keys: jax.Array, logits: jnp.ndarray) -> jnp.ndarray:
+  """One draw per row from [B, V] logits with its own key -> [B] int32."""
+  return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, logits).astype(jnp.int32)
+
+
+def all_greedy(temperature, active=None) -> jnp.ndarray:
+  """[] bool: whether every (active) row decodes greedily (temperature [B] or a number)."""
+  greedy = jnp.asarray(temperature) == 0
+  if active is not None:
+    greedy = greedy | ~active
+  return jnp.all(greedy)
+
+
+def sample_tokens(rng, logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0,
+                  active=None, greedy_only: bool = False) -> jnp.ndarray:
+  """Samples one token per row. logits: [B, V] -> [B] int32 (argmax for greedy rows).
+
+  Draws as a verification with no candidates draws its next token (`rejection_accept_chain`
+  with nothing drafted: the same split of each row's key), so a row's token does not depend
+  on whether its step verified drafts.
+
+  rng: [B] keys (one per row) or one key to split. active: [B] rows that matter (None: all);
+  when every one of them is greedy, nothing is shaped nor drawn. greedy_only: static, every
+  row is greedy (a Python 0 temperature means the same).
+  """
+  greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if greedy_only or (isinstance(temperature, numbers.Real) and temperature == 0):
+    return greedy_tokens
+
+  def draw():
+    _, key_s = split_rows(row_keys(rng, logits.shape[0]))
+    probs = target_probs(logits, temperature, top_k, top_p)
+    return jnp.where(jnp.asarray(temperature) == 0, greedy_tokens,
+                     _sample_from_probs(key_s, probs))
+
+  return jax.lax.cond(all_greedy(temperature, active), lambda: greedy_tokens, draw)
+
+
+def _sample_from_probs(keys: jax.Array, probs: jnp.ndarray) -> jnp.ndarray:
+  """[B, V] non-negative weights (need not sum to 1) -> [B] int32, a key per row."""
+  return _categorical(keys, jnp.log(probs))
 
 
 def _gather_last(x: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
@@ -215,14 +261,15 @@ def _residual(p: jnp.ndarray, q: jnp.ndarray) -> jnp.ndarray:
 # ------------------------------------------------------------------------------------------
 
 
-def greedy_accept_chain(draft: jnp.ndarray,
-                        target_logits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+def greedy_accept_chain(draft: jnp.ndarray, target_logits: jnp.ndarray,
+                        num_drafts=None) -> tuple[jnp.ndarray, jnp.ndarray]:
   """Greedy verification of a chain of drafts.
 
   Args:
     draft: [B, K] int drafted tokens.
     target_logits: [B, K + 1, V]; target_logits[:, i] predicts the token after candidate
       position i (position 0 = last accepted token), so it verifies draft[:, i].
+    num_drafts: [B] drafts each row may accept at most (None: K): the rest are not candidates.
 
   Returns:
     num_accepted: [B] int32 in 0..K, length of the prefix with draft == argmax.
@@ -231,48 +278,54 @@ def greedy_accept_chain(draft: jnp.ndarray,
   k = draft.shape[1]
   target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K + 1]
   match = draft.astype(jnp.int32) == target[:, :k]
+  if num_drafts is not None:
+    match &= jnp.arange(k)[None, :] < num_drafts[:, None]
   num_accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
   next_token = jnp.take_along_axis(target, num_accepted[:, None], axis=1)[:, 0]
   return num_accepted, next_token
 
 
-def rejection_accept_chain(rng: jax.Array, draft: jnp.ndarray, draft_probs: jnp.ndarray | None,
-                           target_probs: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+def rejection_accept_chain(rng, draft: jnp.ndarray, draft_probs: jnp.ndarray | None,
+                           target_probs: jnp.ndarray, num_drafts=None
+                           ) -> tuple[jnp.ndarray, jnp.ndarray]:
   """Speculative rejection sampling of a chain; the output is distributed exactly as p.
 
   Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)), in order. At the first
-  rejection the next token is drawn from normalize(max(0, p_i - q_i)); if all K are accepted it
-  is the bonus token drawn from p_K.
+  rejection the next token is drawn from normalize(max(0, p_i - q_i)); if all are accepted it
+  is the bonus token drawn from p at the last one.
 
   Args:
-    rng: PRNG key.
+    rng: [B] keys (one per row) or one key to split.
     draft: [B, K] int drafted tokens, x_i ~ q_i.
     draft_probs: [B, K, V] q, the distributions the drafts were drawn from; None means
       deterministic drafts (q_i = one-hot(x_i)), e.g. top-1 heads.
     target_probs: [B, K + 1, V] p, shaped target distributions (see `target_probs`).
+    num_drafts: [B] drafts each row may accept at most (None: K); a row with n stops there as
+      if it had drafted n (the next token is the bonus drawn from p_n).
 
   Returns:
     num_accepted: [B] int32 in 0..K.
     next_token: [B] int32.
   """
   b, k = draft.shape
-  key_u, key_s = jax.random.split(rng)
+  key_u, key_s = split_rows(row_keys(rng, b))
   draft = draft.astype(jnp.int32)
   p = target_probs.astype(jnp.float32)
   if k == 0:  # Nothing drafted: plain sampling.
     return jnp.zeros((b,), jnp.int32), _sample_from_probs(key_s, p[:, 0])
+  limit = jnp.full((b,), k, jnp.int32) if num_drafts is None else num_drafts
   p_x = _gather_last(p[:, :k], draft)  # [B, K]
   if draft_probs is None:
     q_x = jnp.ones_like(p_x)
   else:
     q_x = _gather_last(draft_probs.astype(jnp.float32), draft)
-  u = jax.random.uniform(key_u, (b, k))
-  accepted = _accept(u, p_x, q_x)
+  u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(key_u)
+  accepted = _accept(u, p_x, q_x) & (jnp.arange(k)[None, :] < limit[:, None])
   num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
 
-  # Distribution of the next token: residual at the first rejection, p_K when all accepted.
+  # Distribution of the next token: residual at the first rejection, p_n when all accepted.
   p_n = kv_cache_lib.gather_rows(p, num_accepted)  # [B, V]
-  rejected = num_accepted < k
+  rejected = num_accepted < limit
   i = jnp.minimum(num_accepted, k - 1)
   if draft_probs is None:
     x = jnp.take_along_axis(draft, i[:, None], axis=1)[:, 0]
@@ -290,7 +343,7 @@ def rejection_accept_chain(rng: jax.Array, draft: jnp.ndarray, draft_probs: jnp.
 
 def greedy_accept_tree(
     tree: trees_lib.Tree | dynamic_trees.RowTrees, node_tokens: jnp.ndarray,
-    target_logits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    target_logits: jnp.ndarray, enabled=None) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
   """Greedy verification of a candidate tree.
 
   A node is accepted iff its token equals the argmax at its parent and its parent is accepted
@@ -301,6 +354,8 @@ def greedy_accept_tree(
     tree: static candidate tree with N nodes, or every row's own (`dynamic_trees.RowTrees`).
     node_tokens: [B, N] int; node 0 is not checked.
     target_logits: [B, N, V]; target_logits[:, n] predicts the child of node n.
+    enabled: [B, N] bool nodes that are candidates (None: all); a disabled node is never
+      accepted (nor are its descendants).
 
   Returns:
     accepted_path_nodes: [B, depth + 1] int32 node indices root first, padded with -1 after
@@ -312,6 +367,8 @@ def greedy_accept_tree(
   parent = jnp.maximum(rows.parent, 0)  # The root's own entry is overridden below.
   target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
   match = node_tokens.astype(jnp.int32) == jnp.take_along_axis(target, parent, axis=1)
+  if enabled is not None:
+    match &= enabled
   match = match.at[:, 0].set(True)
   accepted = match
   for _ in range(rows.max_depth):  # Acceptance flows one level down per pass.
@@ -328,9 +385,9 @@ def _tree_result(rows: dynamic_trees.RowTrees, node, next_token):
 
 
 def rejection_accept_tree(
-    rng: jax.Array, tree: trees_lib.Tree | dynamic_trees.RowTrees, node_tokens: jnp.ndarray,
-    target_probs: jnp.ndarray,
-    draft_probs: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    rng, tree: trees_lib.Tree | dynamic_trees.RowTrees, node_tokens: jnp.ndarray,
+    target_probs: jnp.ndarray, draft_probs: jnp.ndarray | None = None,
+    enabled=None) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
   """Multi-candidate speculative rejection sampling on a tree; exact in distribution.
 
   Per row, from the root with p = target at the root: try the current node's children in rank
@@ -343,15 +400,19 @@ def rejection_accept_tree(
   speculative sampling of that residual, so by induction the emitted token is ~ p at each node.
   With deterministic drafts q_c = one-hot(x_c): accept x_c w.p. p(x_c), else zero it, renormalise.
   The tree's shape may depend on the drafts (a dynamic tree): it fixes which candidates are
-  tried, never how the target's draws fall, so the argument holds node by node.
+  tried, never how the target's draws fall, so the argument holds node by node. Likewise
+  disabled nodes (`enabled`) are simply not tried.
 
   Args:
-    rng: PRNG key.
+    rng: [B] keys (one per row) or one key to split.
     tree: static candidate tree with N nodes, or every row's own (`dynamic_trees.RowTrees`).
     node_tokens: [B, N] int; node 0 is not checked.
     target_probs: [B, N, V] p; target_probs[:, n] is the distribution of n's child.
     draft_probs: [B, N, V] q; draft_probs[:, c] is the distribution child c's token was drawn
       from (siblings drawn independently); None means deterministic one-hot drafts (top-k).
+    enabled: [B, N] bool candidate nodes (None: all). Disabled nodes must be whole subtrees
+      that come after the enabled children of their parent (a drafter's nodes, hung below the
+      root after another's), so that trying children in order stops at the first disabled one.
 
   Returns:
     accepted_path_nodes: [B, depth + 1] int32 root first, padded with -1.
@@ -360,20 +421,22 @@ def rejection_accept_tree(
   """
   b, _, v = target_probs.shape
   rows = dynamic_trees.as_rows(tree, b)
-  key_u, key_s = jax.random.split(rng)
+  key_u, key_s = split_rows(row_keys(rng, b))
   p_all = target_probs.astype(jnp.float32)
   q_all = None if draft_probs is None else draft_probs.astype(jnp.float32)
   node_tokens = node_tokens.astype(jnp.int32)
   num_tries = rows.max_tries
-  u = jax.random.uniform(key_u, (max(num_tries, 1), b))
+  u = jax.vmap(lambda key: jax.random.uniform(key, (max(num_tries, 1),)))(key_u).T  # [T, B]
   vocab = jnp.arange(v)
   batch = jnp.arange(b)
 
   # One child test per iteration and row; a rolled loop keeps compile time flat in tree size.
   def body(i, state):
     cur, slot, p = state
-    has_child = slot < rows.num_children[batch, cur]  # False once a row has stopped.
     c = jnp.maximum(rows.children[batch, cur, jnp.minimum(slot, rows.max_children - 1)], 0)
+    has_child = slot < rows.num_children[batch, cur]  # False once a row has stopped.
+    if enabled is not None:
+      has_child &= enabled[batch, c]
     x = jnp.take_along_axis(node_tokens, c[:, None], axis=1)[:, 0]
     p_x = _gather_last(p, x)
     if q_all is None:
@@ -387,7 +450,8 @@ def rejection_accept_tree(
     p = jnp.where(acc[:, None], kv_cache_lib.gather_rows(p_all, c),
                   jnp.where(rej[:, None], _residual(p, q), p))
     cur = jnp.where(acc, c, cur)
-    slot = jnp.where(acc, 0, slot + rej)
+    # A row whose next child is disabled stops trying: the slot runs past its children.
+    slot = jnp.where(acc, 0, jnp.where(has_child, slot + rej, rows.max_children + 1))
     return cur, slot, p
 
   cur = jnp.zeros((b,), jnp.int32)
@@ -397,3 +461,86 @@ def rejection_accept_tree(
   else:
     p = state[2]
   return _tree_result(rows, cur, _sample_from_probs(key_s, p))
+
+
+# ------------------------------------------------------------------------------------------
+# One verification's acceptance, whatever the mix of rows.
+# ------------------------------------------------------------------------------------------
+
+
+def accept(keys: jax.Array, tree: trees_lib.Tree | dynamic_trees.RowTrees,
+           node_tokens: jnp.ndarray, logits: jnp.ndarray, settings, *, active: jnp.ndarray,
+           enabled: jnp.ndarray | None = None, greedy_only: bool = False
+           ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """Accepts each row's longest verified path through its block, greedy or sampled per row.
+
+  Args:
+    keys: [B] PRNG keys, one per row (unused when every active row is greedy).
+    tree: the verified block (a chain is a `Tree` whose `is_chain`).
+    node_tokens: [B, N] the block's tokens, node 0 = the last accepted token.
+    logits: [B, N, V] the trunk's logits at every node (emittable ids only).
+    settings: per-row temperature, top_k, top_p ([B] each).
+    active: [B] rows that matter.
+    enabled: [B, N] candidate nodes (None: all; see `rejection_accept_tree`).
+    greedy_only: static: every row is greedy (the sampler is not even compiled).
+
+  Returns:
+    (path [B, depth + 1] accepted node indices root first, padded with the last accepted
+    node; num_accepted [B]; next_token [B]).
+  """
+  chain = isinstance(tree, trees_lib.Tree) and tree.is_chain
+  n = node_tokens.shape[1]
+  drafts = node_tokens[:, 1:]
+  limit = None if enabled is None else jnp.sum(
+      jnp.cumprod(enabled[:, 1:].astype(jnp.int32), axis=1), axis=1)
+
+  def greedy():
+    return greedy_accept_chain(drafts, logits, limit)
+
+  def sampled():
+    probs = target_probs(logits, settings.temperature, settings.top_k, settings.top_p)
+    return rejection_accept_chain(keys, drafts, None, probs, limit)
+
+  def choose(greedy, sampled):
+    if greedy_only:
+      return greedy()
+    return jax.lax.cond(all_greedy(settings.temperature, active), greedy, sampled)
+
+  if chain:
+    num_accepted, next_token = choose(greedy, sampled)
+    path = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), node_tokens.shape)
+    return path, num_accepted, next_token
+
+  def greedy_tree():
+    return greedy_accept_tree(tree, node_tokens, logits, enabled)
+
+  def sampled_tree():
+    probs = target_probs(logits, settings.temperature, settings.top_k, settings.top_p)
+    return rejection_accept_tree(keys, tree, node_tokens, probs, enabled=enabled)
+
+  path, num_accepted, next_token = choose(greedy_tree, sampled_tree)
+  last_node = kv_cache_lib.gather_rows(path, num_accepted)
+  return jnp.where(path >= 0, path, last_node[:, None]), num_accepted, next_token
+
+
+def token_logprobs(logits: jnp.ndarray, tokens: jnp.ndarray, top: int
+                   ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """The model's log-probabilities of `tokens`, and its `top` most likely tokens.
+
+  Args:
+    logits: [B, T, V] the trunk's logits (emittable ids only) before each token.
+    tokens: [B, T] the tokens that followed.
+    top: how many of the most likely tokens to report (0: none).
+
+  Returns:
+    (logprob [B, T], top_ids [B, T, top] int32, top_logprobs [B, T, top]); log-probabilities of
+    the model's own distribution (temperature 1, no top-k or top-p: what OpenAI's logprobs
+    report), in float32.
+  """
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = _gather_last(log_probs, tokens.astype(jnp.int32))
+  if not top:
+    empty = jnp.zeros(tokens.shape + (0,))
+    return chosen, empty.astype(jnp.int32), empty
+  values, ids = jax.lax.top_k(log_probs, top)
+  return chosen, ids.astype(jnp.int32), values

@@ -107,8 +107,8 @@ def test_validate_sampling():
     sampling.validate_sampling(1.0, 11, 1.0, 10)
   with pytest.raises(ValueError, match='top_k.*2.5'):
     sampling.validate_sampling(1.0, 2.5, 1.0, 10)
-  with pytest.raises(ValueError, match='top_k'):
-    sampling.shape_logits(jnp.zeros((2, 4)), 1.0, top_k=5)
+  # Inside the loop settings are data: a top_k at or above the vocabulary keeps every token.
+  np.testing.assert_array_equal(sampling.shape_logits(jnp.zeros((2, 4)), 1.0, top_k=5), 0.0)
 
 
 _target_probs = jax.jit(sampling.target_probs, static_argnums=(1, 2, 3))
@@ -131,8 +131,24 @@ def test_shape_logits_temperature_and_greedy():
   np.testing.assert_array_equal(greedy, [[0, 1, 0, 0], [1, 0, 0, 0]])
   shaped = jax.jit(sampling.shape_logits, static_argnums=1)(logits, 0.0)
   assert np.all(np.isfinite(shaped) == (greedy > 0))
-  with pytest.raises(TypeError, match='static'):
-    jax.jit(lambda t: sampling.shape_logits(logits, t))(1.0)
+  # Traced settings, one per row: a greedy row and a sampled one in one call.
+  per_row = jax.jit(sampling.target_probs)(logits, jnp.asarray([0.0, 2.0]),
+                                           jnp.asarray([0, 0]), jnp.asarray([1.0, 1.0]))
+  np.testing.assert_array_equal(per_row[0], greedy[0])
+  np.testing.assert_allclose(per_row[1], softmax(logits[1] / 2), rtol=1e-5)
+
+
+def test_per_row_top_k_and_top_p_match_each_rows_own():
+  """Every row keeps exactly what it would keep alone, top-k past the candidates included."""
+  rng = np.random.default_rng(5)
+  logits = np.round(rng.normal(size=(6, 1000)), 1).astype(np.float32)
+  top_k = np.array([0, 3, 300, 0, 50, 1000], np.int32)
+  top_p = np.array([0.9, 1.0, 1.0, 0.5, 0.8, 1.0], np.float32)
+  got = np.asarray(jax.jit(sampling.target_probs)(logits, jnp.ones(6), top_k, top_p)) > 0
+  for row in range(6):
+    np.testing.assert_array_equal(
+        got[row], _reference_mask(logits[row:row + 1], int(top_k[row]) % 1000,
+                                  float(top_p[row]))[0], err_msg=f'row {row}')
 
 
 def test_top_k_and_top_p():
@@ -185,11 +201,11 @@ def test_top_k_top_p_match_sorting_reference(top_k, top_p, vocab):
   logits[:4] = np.linspace(-5, 5, vocab, dtype=np.float32)[::-1]  # Sorted rows: no ties.
   got = np.asarray(_target_probs(logits, 1.0, top_k, top_p)) > 0
   np.testing.assert_array_equal(got, _reference_mask(logits, top_k, top_p))
-  if vocab > sampling._TOP_P_CANDIDATES and top_p < 1 and top_k == 0:
+  if vocab > sampling._TOP_CANDIDATES and top_p < 1 and top_k == 0:
     # Peaked rows alone: every nucleus fits in the candidates (the branch without bisection).
     peaked = logits[1::2]
     got = np.asarray(_target_probs(peaked, 1.0, top_k, top_p)) > 0
-    assert got.sum(-1).max() < sampling._TOP_P_CANDIDATES
+    assert got.sum(-1).max() < sampling._TOP_CANDIDATES
     np.testing.assert_array_equal(got, _reference_mask(peaked, top_k, top_p))
 
 

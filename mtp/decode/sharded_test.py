@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp.decode import driver
-from mtp.decode import request as request_lib
-from mtp.decode import speculative
+from mtp.decode import testing as decode_testing
 from mtp.decode import trees
 from mtp.model import testing
 from mtp.parallel import mesh as mesh_lib
@@ -36,8 +34,8 @@ def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree, budget)
   # Two KV heads and 64 ids: 'tensor' divides both.
   model = testing.tiny_model(0, head_type=head_type, vocab_size=64)
   prompts = testing.random_tokens((4, 7), 64, seed=1)
-  expected = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
-                                  tree=tree, tree_budget=budget)
+  expected = decode_testing.decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                                   tree=tree, tree_budget=budget)
 
   state = nnx.state(model)
   nnx.update(model, jax.device_put(state, mesh_lib.state_shardings(state, mesh)))
@@ -45,17 +43,17 @@ def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree, budget)
                     if not x.sharding.is_fully_replicated]
   assert sharded_leaves, 'no parameter is sharded: the test would prove nothing'
 
-  out = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=tree,
-                             tree_budget=budget, mesh=mesh)
+  out = decode_testing.decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=tree,
+                              tree_budget=budget, mesh=mesh)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_steps, expected.num_steps)
   np.testing.assert_array_equal(out.accepted_histogram, expected.accepted_histogram)
 
   # The loop state really is spread over the mesh: rows over (data, fsdp), the cache's KV
   # heads over tensor, each device holding a quarter of the rows.
-  request = request_lib.make_request(model.cfg, prompts.shape[1], max_new_tokens=MAX_NEW,
-                                     tree=tree, mesh=mesh)
-  _, loop_state = driver._begin(model, prompts, PROMPT_LENGTHS, request, 0, None, 0)
+  engine = decode_testing.engine(model, max_new_tokens=MAX_NEW, tree=tree, mesh=mesh)
+  loop_state = engine.prefill(prompts, PROMPT_LENGTHS, decode_testing.settings(
+      engine, 4, max_new_tokens=MAX_NEW))
   keys = loop_state.cache.keys[0]  # [B, S, G, H]
   assert keys.sharding.spec[0] == mesh_lib.BATCH_AXES
   assert keys.sharding.spec[2] == 'tensor'

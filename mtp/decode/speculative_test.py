@@ -3,8 +3,10 @@
 Greedy: token for token, for the three head families, chains and trees, ragged batches, with
 the model's own drafts, with oracle drafts (all accepted), adversarial drafts (none accepted),
 and drafts right up to a random depth (ragged acceptance across rows and steps, which moves
-tree paths through the cache). Sampling: the distribution of whole generations matches the
-exact one computed from the model, and a wrong residual is caught by the same test.
+tree paths through the cache); autoregressive decoding equals uncached decoding. Sampling: the
+distribution of whole generations matches the exact one computed from the model, and a wrong
+residual is caught by the same test. Everything through the public door (`plan.resolve`'s
+engine, `decode.testing`).
 """
 
 import dataclasses
@@ -16,12 +18,9 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from mtp.decode import autoregressive
-from mtp.decode import driver
-from mtp.decode import request as request_lib
+from mtp.decode import engine as engine_lib
 from mtp.decode import sampling
-from mtp.decode import speculative
-from mtp.decode import state as state_lib
+from mtp.decode import testing as decode_testing
 from mtp.decode import trees
 from mtp.model import mtp_model
 from mtp.model import testing
@@ -94,9 +93,25 @@ def models(ar_model):
   return out
 
 
+def _decode(model, prompts, lengths=None, **kwargs):
+  return decode_testing.decode(model, prompts, lengths, **kwargs)
+
+
+def _ar(model, prompts, lengths=None, **kwargs):
+  return decode_testing.decode(model, prompts, lengths, decoder='autoregressive', **kwargs)
+
+
 @pytest.fixture(scope='module')
 def reference(ar_model, prompts):
-  return autoregressive.generate(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW)
+  return _ar(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW)
+
+
+def test_autoregressive_equals_uncached_decoding_with_ragged_prompts(ar_model, prompts,
+                                                                      reference):
+  want = decode_testing.reference_argmax(ar_model, prompts, PROMPT_LENGTHS, MAX_NEW)
+  np.testing.assert_array_equal(reference.tokens, want)
+  np.testing.assert_array_equal(reference.num_steps, [MAX_NEW - 1] * 3)  # The prefill: one.
+  np.testing.assert_allclose(reference.mean_accepted, 1.0)
 
 
 def _check_statistics(out, max_depth):
@@ -117,15 +132,14 @@ def test_greedy_output_equals_autoregressive(models, ar_model, prompts, referenc
                                              tree):
   """One compiled decoder per case; the hook picks the drafts per row at run time."""
   model = models[head_type]
-  resolved = request_lib.resolve_tree(model.cfg.mtp_num_heads, tree)
+  resolved = trees.static_tree(tree, model.cfg.mtp_num_heads)
   hook = ReferenceDrafts(resolved, 61)
   ref = np.asarray(reference.tokens)
   depth = resolved.max_depth
 
   def run(mode, **kwargs):
-    out = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
-                               tree=tree, draft_hook=hook, hook_data=_hook_data(ref, mode),
-                               **kwargs)
+    out = _decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=tree,
+                  draft_hook=hook, hook_data=_hook_data(ref, mode), **kwargs)
     _check_statistics(out, depth)
     return out
 
@@ -154,8 +168,8 @@ def test_greedy_output_equals_autoregressive(models, ar_model, prompts, referenc
 
   # EOS inside an accepted block: rows stop right after it, as one-token decoding would.
   eos = int(ref[0, 5])
-  expected = autoregressive.generate(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
-                                     eos_id=eos, pad_id=-1)
+  expected = _ar(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, eos_id=eos,
+                 pad_id=-1)
   assert expected.num_generated[0] == 6
   for mode in (ORACLE, RAGGED):
     out = run(mode, eos_id=eos, pad_id=-1)
@@ -167,8 +181,7 @@ def test_greedy_output_equals_autoregressive(models, ar_model, prompts, referenc
                                             ('sequential', TREE)])
 def test_batch_of_one_without_hooks(models, prompts, reference, head_type, tree):
   # Row 1 of the batched reference has this very prompt.
-  out = speculative.generate(models[head_type], prompts[1:2, :3], max_new_tokens=MAX_NEW,
-                             tree=tree)
+  out = _decode(models[head_type], prompts[1:2, :3], max_new_tokens=MAX_NEW, tree=tree)
   np.testing.assert_array_equal(out.tokens, reference.tokens[1:2])
   assert out.accepted_histogram.shape == (1, 5)
 
@@ -177,20 +190,25 @@ def test_batch_of_one_without_hooks(models, prompts, reference, head_type, tree)
 def test_lookup_drafts_are_exact_and_catch_repetitions(models, ar_model, prompts, head_type):
   """A greedy random model soon repeats itself: copies from its own text are accepted."""
   max_new = 40
-  expected = autoregressive.generate(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new)
+  expected = _ar(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new)
   steps = {}
   for lookup in (0, 6):  # Deeper than the heads: the lookup chain is not bound by them.
-    out = speculative.generate(models[head_type], prompts, PROMPT_LENGTHS,
-                               max_new_tokens=max_new, tree=[(0,), (1,), (0, 0)],
-                               lookup=lookup)
+    out = _decode(models[head_type], prompts, PROMPT_LENGTHS, max_new_tokens=max_new,
+                  tree=[(0,), (1,), (0, 0)], lookup=lookup)
     np.testing.assert_array_equal(out.tokens, expected.tokens)
     _check_statistics(out, max(2, lookup))  # The tree is 2 deep, the lookup chain 6.
     steps[lookup] = np.asarray(out.num_steps)
   assert steps[6].sum() < 0.8 * steps[0].sum()
   assert steps[6][2] <= 15  # Row 2 is mostly one token repeated.
-  with pytest.raises(ValueError, match='verified greedily only'):
-    speculative.generate(models[head_type], prompts, PROMPT_LENGTHS, max_new_tokens=4,
-                         lookup=2, temperature=0.5)
+
+
+def test_a_model_without_heads_drafts_by_lookup_alone(ar_model, prompts):
+  max_new = 40
+  expected = _ar(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new)
+  out = _decode(ar_model, prompts, PROMPT_LENGTHS, max_new_tokens=max_new)  # speculative.
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  assert np.asarray(out.accepted_histogram).shape[1] == 8 + 2  # The lookup chain's 8 drafts.
+  assert np.asarray(out.num_steps).sum() < 0.8 * np.asarray(expected.num_steps).sum()
 
 
 @pytest.mark.parametrize('head_type', HEAD_TYPES)
@@ -203,14 +221,14 @@ def test_dynamic_trees_are_exact(models, prompts, reference, head_type):
   ref = np.asarray(reference.tokens)
   hook = ReferenceDrafts(TREE, 61)
   for budget in (3, 6):
-    out = speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
-                               tree=TREE, tree_budget=budget)
+    out = _decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=TREE,
+                  tree_budget=budget)
     np.testing.assert_array_equal(out.tokens, ref)
     _check_statistics(out, min(TREE.max_depth, budget - 1))  # Deeper nodes are never chosen.
   for mode in (MODEL_DRAFTS, ORACLE, np.array([RAGGED, RAGGED, MODEL_DRAFTS])):
     static, dynamic = (
-        speculative.generate(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=TREE,
-                             draft_hook=hook, hook_data=_hook_data(ref, mode), **budget)
+        _decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, tree=TREE,
+                draft_hook=hook, hook_data=_hook_data(ref, mode), **budget)
         for budget in ({}, dict(tree_budget=TREE.num_nodes)))
     np.testing.assert_array_equal(dynamic.tokens, ref)
     np.testing.assert_array_equal(dynamic.num_steps, static.num_steps)
@@ -223,33 +241,37 @@ def test_dynamic_trees_stay_exact_where_drafts_pass(small_model):
   output stays exact. (Their probabilities are flat, so these trees are wide: a dynamic tree
   is as good as its heads' calibration.)"""
   prompts = testing.random_tokens((16, 4), VOCAB, seed=3)
-  expected = autoregressive.generate(small_model, prompts, max_new_tokens=24)
-  out = speculative.generate(small_model, prompts, max_new_tokens=24, tree_budget=4)
+  expected = _ar(small_model, prompts, max_new_tokens=24)
+  out = _decode(small_model, prompts, max_new_tokens=24, tree_budget=4)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   assert np.asarray(out.accepted_histogram)[:, 2:].sum() > np.asarray(out.num_steps).sum() / 2
 
 
 def test_no_recompilation_and_chunks(models, prompts, reference):
   model = models['medusa']
-  speculative.generate(model, prompts[1:2, :3], max_new_tokens=MAX_NEW)
-  sizes = driver._start._cache_size(), driver._run._cache_size()
+  engine = decode_testing.engine(model, max_new_tokens=MAX_NEW)
   ref = np.asarray(reference.tokens[1])
   eos = int(ref[7])
   stop = int(np.argmax(ref == eos)) + 1
   expected = np.where(np.arange(MAX_NEW) < stop, ref, 0)
-  out = speculative.generate(model, prompts[1:2, :3], max_new_tokens=MAX_NEW, eos_id=eos,
-                             rng=4)
-  np.testing.assert_array_equal(out.tokens[0], expected)
-  chunks = list(speculative.generate_chunks(model, prompts[1:2, :3], max_new_tokens=MAX_NEW,
-                                            eos_id=eos, steps_per_chunk=2))
+
+  def run(**kwargs):
+    return engine.generate(prompts[1:2, :3], [3], decode_testing.settings(
+        engine, 1, **{'max_new_tokens': MAX_NEW, **kwargs}))
+
+  run()
+  compiled = engine_lib.compilations()
+  np.testing.assert_array_equal(run(eos_id=eos, seed=4).tokens[0], expected)
+  chunks = list(engine.chunks(prompts[1:2, :3], [3], decode_testing.settings(
+      engine, 1, max_new_tokens=MAX_NEW, eos_id=eos), steps_per_chunk=2))
   np.testing.assert_array_equal(chunks[-1].tokens[0], expected)
   counts = [int(c.num_generated[0]) for c in chunks]
   assert counts == sorted(counts) and len(counts) > 2 and counts[-1] == stop
-  prepared = state_lib.prepare(model)
-  out = speculative.generate(prepared, prompts[1:2, :3], max_new_tokens=MAX_NEW, eos_id=eos)
-  np.testing.assert_array_equal(out.tokens[0], expected)
-  # New EOS id, seed, chunking and a prepared model: the same compiled code.
-  assert (driver._start._cache_size(), driver._run._cache_size()) == sizes
+  # A new stop id, seed, chunking, token budget and sampling settings: the same compiled code.
+  out = run(eos_id=eos, temperature=0.7, top_k=5, top_p=0.9, seed=1)
+  assert 1 <= int(out.num_generated[0]) <= MAX_NEW
+  np.testing.assert_array_equal(run(max_new_tokens=5).tokens[0, :5], ref[:5])
+  assert engine_lib.compilations() == compiled
 
 
 # ------------------------------------------------------------------------------------------
@@ -310,20 +332,37 @@ def sampled(small_model):
 
 def test_sampled_generations_follow_the_target_distribution(sampled):
   model, prompts, exact = sampled
-  ar = autoregressive.generate(model, prompts, max_new_tokens=NEW, rng=1, **SAMPLING)
-  sp = speculative.generate(model, prompts, max_new_tokens=NEW, rng=2, **SAMPLING)
+  ar = _ar(model, prompts, max_new_tokens=NEW, seed=1, **SAMPLING)
+  sp = _decode(model, prompts, max_new_tokens=NEW, seed=2, **SAMPLING)
   assert _chisquare_p(np.asarray(ar.tokens), exact) > 1e-3
   assert _chisquare_p(np.asarray(sp.tokens), exact) > 1e-3
   # Drafts matter here: some steps accept them (else the test would prove little).
   assert np.asarray(sp.accepted_histogram)[:, 2:].sum() > ROWS // 10
 
 
-def test_sampling_with_dynamic_trees_follows_the_target_distribution(sampled):
+def test_sampling_with_lookup_drafts_beside_a_tree_follows_the_target_distribution(sampled):
+  """Prompt lookup's copies hang beside the heads' tree (siblings of its first nodes): the
+  multi-candidate rejection sampler tries them after the heads' children, exactly."""
   model, prompts, exact = sampled
-  sp = speculative.generate(model, prompts, max_new_tokens=NEW, rng=3, tree_budget=4,
-                            **SAMPLING)
+  sp = _decode(model, prompts, max_new_tokens=NEW, seed=5, tree=[(0,), (1,), (0, 0)], lookup=2,
+               **SAMPLING)
   assert _chisquare_p(np.asarray(sp.tokens), exact) > 1e-3
   assert np.asarray(sp.accepted_histogram)[:, 2:].sum() > ROWS // 10
+
+
+def test_sampling_with_dynamic_trees_follows_the_target_distribution(sampled):
+  model, prompts, exact = sampled
+  sp = _decode(model, prompts, max_new_tokens=NEW, seed=3, tree_budget=4, **SAMPLING)
+  assert _chisquare_p(np.asarray(sp.tokens), exact) > 1e-3
+  assert np.asarray(sp.accepted_histogram)[:, 2:].sum() > ROWS // 10
+
+
+@dataclasses.dataclass(frozen=True)
+class _Identity:
+  """A draft hook that changes nothing (a compiled decoder of its own)."""
+
+  def __call__(self, drafts, num_generated, data):
+    return drafts
 
 
 def test_negative_control_a_wrong_residual_is_caught(sampled, monkeypatch):
@@ -333,12 +372,10 @@ def test_negative_control_a_wrong_residual_is_caught(sampled, monkeypatch):
     del q
     return p
 
-  driver._run.clear_cache()
+  # A new draft hook is a new compiled decoder: the monkeypatched rule is traced in.
   monkeypatch.setattr(sampling, '_residual', resample_from_p)
-  try:
-    sp = speculative.generate(model, prompts, max_new_tokens=NEW, rng=2, **SAMPLING)
-  finally:
-    driver._run.clear_cache()
+  sp = _decode(model, prompts, max_new_tokens=NEW, seed=2, draft_hook=_Identity(),
+               **SAMPLING)
   assert _chisquare_p(np.asarray(sp.tokens), exact) < 1e-8
 
 
@@ -353,24 +390,29 @@ def test_negative_control_a_wrong_residual_is_caught(sampled, monkeypatch):
     (dict(tree=4), 'chain length 4 exceeds the number of MTP heads 3'),
     (dict(tree=0), 'chain length must be >= 1'),
     (dict(prompt_lengths=[0, 3, 5]), 'empty prompt in row 0'),
-    (dict(max_new_tokens=122), 'exceeds the model position limit'),
     (dict(temperature=-1.0), 'temperature must be >= 0'),
     (dict(top_p=1.01), r'top_p must be in \(0, 1\]'),
-    (dict(cache_capacity=14), 'cache_capacity 14 is too small'),
-    (dict(hook_data={}), 'hook_data is given without a draft_hook'),
-    (dict(tree_budget=1), r'tree_budget must be an integer in \[2, 64\]'),
+    (dict(capacity=14), 'capacity must be an integer >= '),
+    (dict(tree_budget=1), 'tree_budget must be an integer >= 2'),
+    (dict(tree_budget=70), r'tree_budget must be an integer in \[2, 64\]'),
     (dict(tree=TREE, tree_budget=10), r'tree_budget must be an integer in \[2, 9\]'),
     (dict(tree_budget=4, lookup=2), 'drafts from the heads alone'),
+    (dict(lookup=65), r'lookup \(--lookup\) must be at most 64'),
+    (dict(decoder='beam'), 'decoder must be one of'),
+    (dict(tree='bushy'), 'tree must be one of'),
+    (dict(decoder='autoregressive', tree=2), 'apply to the drafting decoders'),
 ])
 def test_bad_input_is_named_before_compiling(models, prompts, change, message):
   kwargs = {**dict(prompt_lengths=PROMPT_LENGTHS, max_new_tokens=4), **change}
   lengths = kwargs.pop('prompt_lengths')
+  compiled = engine_lib.compilations()
   with pytest.raises(ValueError, match=message):
-    speculative.generate(models['parallel'], prompts, lengths, **kwargs)
+    _decode(models['parallel'], prompts, lengths, **kwargs)
+  assert engine_lib.compilations() == compiled
 
 
-def test_a_model_without_heads_is_refused(ar_model, prompts):
-  with pytest.raises(ValueError, match='needs a model with MTP heads'):
-    speculative.generate(ar_model, prompts, max_new_tokens=4)
+def test_a_model_without_heads_is_named_where_lookup_is_off(ar_model, prompts):
+  with pytest.raises(ValueError, match='no MTP heads'):
+    _decode(ar_model, prompts, max_new_tokens=4, lookup=0)
   with pytest.raises(ValueError, match=r'token id -1 at prompt row 0, position 2'):
-    speculative.generate(testing.tiny_model(0), np.array([[3, 4, -1]]), max_new_tokens=4)
+    _decode(testing.tiny_model(0), np.array([[3, 4, -1]]), max_new_tokens=4)

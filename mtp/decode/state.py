@@ -1,4 +1,4 @@
-"""The decode loop's parts: prompt layout, the prepared model, the result, token bookkeeping.
+"""The decode loop's parts: prompt layout, the prepared model, the result.
 
 Prompts are right-padded [B, P] with per-row lengths [B]. Every row keeps its own committed
 cache length, and cache slot s of a row always holds that row's position s, so a row's next
@@ -10,14 +10,15 @@ before they get here (`request.py`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.decode import finish
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 from mtp.parallel import mesh as mesh_lib
@@ -25,30 +26,47 @@ from mtp.parallel import mesh as mesh_lib
 Array = jax.Array
 
 
-@flax.struct.dataclass
+@dataclasses.dataclass
 class DecodeResult:
-  """Generated tokens and per-row statistics (device arrays).
+  """Generated tokens and per-row statistics, on the host (numpy arrays).
 
   Attributes:
-    tokens: [B, max_new_tokens] int32 generated tokens (EOS included), `pad_id` after the end.
+    tokens: [B, max_new_tokens] int32 generated tokens (stop id included), `pad_id` after the
+      end.
     num_generated: [B] int32 tokens generated per row.
     num_steps: [B] int32 forward passes of the decode loop that worked on the row (the prefill,
       which yields the first token, is not counted).
     accepted_histogram: [B, W] int32; entry j counts the loop steps that emitted j tokens for
-      the row (accepted drafts plus the trunk's own token, after cutting at EOS and
-      max_new_tokens). W = 2 for autoregressive decoding, tree depth + 2 for speculative.
+      the row (accepted drafts plus the trunk's own token, after cutting at a stop id and the
+      row's budget). W = 2 for autoregressive decoding, block depth + 2 when drafting.
+    reason: [B] int32 why each row stopped (`finish.py`), RUNNING while it runs.
+    logprobs: [B, max_new_tokens] float32 the model's log-probability of each token ([B, 0]
+      when the plan keeps none); top_ids, top_logprobs: [B, max_new_tokens, K] its K most
+      likely tokens at each position and theirs.
   """
-  tokens: Array
-  num_generated: Array
-  num_steps: Array
-  accepted_histogram: Array
+  tokens: np.ndarray
+  num_generated: np.ndarray
+  num_steps: np.ndarray
+  accepted_histogram: np.ndarray
+  reason: np.ndarray = None
+  logprobs: np.ndarray = None
+  top_ids: np.ndarray = None
+  top_logprobs: np.ndarray = None
 
   @property
-  def mean_accepted(self) -> Array:
+  def mean_accepted(self) -> np.ndarray:
     """[B] float32 tokens emitted per loop step (0 for a row that needed no loop step)."""
-    counts = jnp.arange(self.accepted_histogram.shape[-1], dtype=jnp.float32)
-    emitted = jnp.sum(self.accepted_histogram * counts, axis=-1)
-    return emitted / jnp.maximum(self.num_steps, 1).astype(jnp.float32)
+    counts = np.arange(self.accepted_histogram.shape[-1], dtype=np.float32)
+    emitted = np.sum(np.asarray(self.accepted_histogram) * counts, axis=-1)
+    return emitted / np.maximum(np.asarray(self.num_steps), 1).astype(np.float32)
+
+  @property
+  def done(self) -> np.ndarray:
+    """[B] rows that have stopped."""
+    return np.asarray(self.reason) != finish.RUNNING
+
+  def finish_reason(self, row: int) -> str | None:
+    return finish.finish_reason(self.reason[row])
 
 
 class _Structure:
@@ -152,38 +170,6 @@ def as_key(rng) -> Array:
   if isinstance(rng, (int, np.integer)):
     return jax.random.key(int(rng))
   return rng
-
-
-def append_tokens(buffer: Array, num_generated: Array, done: Array, emitted: Array,
-                  num_emitted: Array, *, eos_id: Array, pad_id: Array,
-                  max_new_tokens: int) -> tuple[Array, Array, Array, Array]:
-  """Appends each row's new tokens, cut exactly where one-token decoding would stop.
-
-  Args:
-    buffer: [B, max_new_tokens + W] output tokens (W spare columns so a write never clamps).
-    num_generated: [B] tokens already in the buffer.
-    done: [B] rows that had already stopped (they take nothing).
-    emitted: [B, W] this step's tokens in order; only the first num_emitted count.
-    num_emitted: [B] in 1..W.
-    eos_id: [] int32, stop after this token (it is kept); -1: never. Traced, so a new EOS id
-      does not recompile.
-    pad_id: [] int32, written after the kept tokens.
-    max_new_tokens: static; stop when a row holds this many.
-
-  Returns:
-    (buffer, num_generated, done, kept [B] tokens appended per row).
-  """
-  width = emitted.shape[1]
-  index = jnp.arange(width)[None, :]
-  take = jnp.where(done, 0, jnp.minimum(num_emitted, max_new_tokens - num_generated))
-  is_eos = (emitted == eos_id) & (index < take[:, None])
-  hit_eos = jnp.any(is_eos, axis=1)
-  take = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, take)
-  block = jnp.where(index < take[:, None], emitted, pad_id).astype(buffer.dtype)
-  buffer = kv_cache_lib.write_rows(buffer, block, num_generated)
-  num_generated = num_generated + take
-  done = done | hit_eos | (num_generated >= max_new_tokens)
-  return buffer, num_generated, done, take.astype(jnp.int32)
 
 
 def shard_rows(arrays: Sequence[Array], mesh: jax.sharding.Mesh | None) -> tuple[Array, ...]:

@@ -1,8 +1,8 @@
 """Streaming: a host generator that yields text as the decode loop accepts tokens.
 
-The compiled loop runs a chunk of steps per call (`driver.generate_chunks`); between
-chunks the host reads each row's new tokens and turns them into text. Nothing happens on the
-host per token or per step, only per chunk.
+The compiled loop runs a chunk of steps per call (`engine.Engine.chunks`); between chunks the
+host reads each row's new tokens and turns them into text (`text_updates`). Nothing happens on
+the host per token or per step, only per chunk.
 
 Turning tokens into text piece by piece needs care: one character may span several tokens
 (byte-level BPE splits multi-byte UTF-8 characters; the byte tokenizer always does), and a
@@ -19,7 +19,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from mtp.decode import driver
 from mtp.decode import state as state_lib
 
 _REPLACEMENT = '\ufffd'
@@ -81,38 +80,9 @@ class StreamUpdate:
   result: state_lib.DecodeResult
 
 
-def stream(model, tokenizer, prompts, prompt_lengths=None, *, max_new_tokens: int,
-           decoder: str = 'speculative', steps_per_chunk: int | None = None,
-           eos_id: int | None = None, **decode_kwargs) -> Iterator[StreamUpdate]:
-  """Decodes right-padded prompts, yielding each row's new text after every chunk of steps.
-
-  Args:
-    model: an `MTPModel` or `state.PreparedModel`.
-    tokenizer: a `Tokenizer` (anything with `decode(ids) -> str`).
-    prompts: [B, P] int token ids, right-padded; prompt_lengths: [B] (None: all P).
-    max_new_tokens: tokens per row at most.
-    decoder: a name in `decoders.NAMES`.
-    steps_per_chunk: loop steps per compiled call (None: the decoder's default). Smaller
-      chunks stream more smoothly and cost one more host round trip each.
-    eos_id: rows stop after it (None: no row stops early).
-    **decode_kwargs: the rest of `driver.generate`'s options (pad_id, temperature, top_k,
-      top_p, rng, tree, lookup, cache_capacity, ...).
-
-  Yields:
-    StreamUpdate after the prefill and after each chunk; the last one has every row done and
-    the complete result. Concatenating a row's `text` over all updates gives
-    `tokenizer.decode(result.tokens[row, :result.num_generated[row]])`.
-  """
-  return text_updates(
-      driver.generate_chunks(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
-                             decoder=decoder, steps_per_chunk=steps_per_chunk, eos_id=eos_id,
-                             **decode_kwargs),
-      tokenizer, max_new_tokens=max_new_tokens, eos_id=eos_id)
-
-
-def text_updates(results: Iterator[state_lib.DecodeResult], tokenizer, *, max_new_tokens: int,
-                 eos_id: int | None) -> Iterator[StreamUpdate]:
-  """Turns the partial results of `driver.decode_chunks` into each row's new text."""
+def text_updates(results: Iterator[state_lib.DecodeResult], tokenizer
+                 ) -> Iterator[StreamUpdate]:
+  """Turns the partial results of `engine.Engine.chunks` into each row's new text."""
   streams = None
   previous = None
   for result in results:
@@ -121,7 +91,7 @@ def text_updates(results: Iterator[state_lib.DecodeResult], tokenizer, *, max_ne
     if streams is None:
       streams = [TextStream(tokenizer) for _ in range(len(counts))]
       previous = np.zeros_like(counts)
-    done = _finished(tokens, counts, max_new_tokens, eos_id)
+    done = result.done
     new_tokens = [tokens[row, previous[row]:counts[row]] for row in range(len(counts))]
     text = []
     for row, (s, new) in enumerate(zip(streams, new_tokens)):
@@ -131,13 +101,3 @@ def text_updates(results: Iterator[state_lib.DecodeResult], tokenizer, *, max_ne
       text.append(piece)
     previous = counts
     yield StreamUpdate(text=text, new_tokens=new_tokens, done=done, result=result)
-
-
-def _finished(tokens: np.ndarray, counts: np.ndarray, max_new_tokens: int,
-              eos_id: int | None) -> np.ndarray:
-  """[B] rows that stopped: max_new_tokens reached, or the last token is EOS."""
-  done = counts >= max_new_tokens
-  if eos_id is not None:
-    last = tokens[np.arange(len(counts)), np.maximum(counts - 1, 0)]
-    done |= (counts > 0) & (last == eos_id)
-  return done

@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 
 from mtp.data import tokenizer as tokenizer_lib
-from mtp.decode import autoregressive
-from mtp.decode import speculative
 from mtp.decode import state as state_lib
 from mtp.decode import streaming
+from mtp.decode import testing as decode_testing
 from mtp.model import testing
 
 # Multi-byte characters (2, 3 and 4 bytes) that byte-level BPE may split across tokens.
@@ -62,14 +61,16 @@ def test_streamed_text_equals_the_completion(model, decoder):
   tokenizer = tokenizer_lib.byte_tokenizer()
   prompts = ['def add(a, b):\n', 'x = "é', 'import']
   tokens, lengths = state_lib.pad_prompts([tokenizer.encode(p) for p in prompts])
-  module = speculative if decoder == 'speculative' else autoregressive
   # An EOS id the random model emits early in some rows: ragged stopping.
-  full = module.generate(model, tokens, lengths, max_new_tokens=24)
+  full = decode_testing.decode(model, tokens, lengths, decoder=decoder, max_new_tokens=24)
   eos = int(full.tokens[1, 5])
-  options = dict(max_new_tokens=24, eos_id=eos, pad_id=tokenizer.pad_id)
-  expected = module.generate(model, tokens, lengths, **options)
-  updates = list(streaming.stream(model, tokenizer, tokens, lengths, decoder=decoder,
-                                  steps_per_chunk=2, **options))
+  expected = decode_testing.decode(model, tokens, lengths, decoder=decoder, max_new_tokens=24,
+                                   eos_id=eos, pad_id=tokenizer.pad_id)
+  engine = decode_testing.engine(model, decoder, max_new_tokens=24)
+  chunks = engine.chunks(tokens, lengths, decode_testing.settings(
+      engine, len(prompts), max_new_tokens=24, eos_id=eos), steps_per_chunk=2,
+                         pad_id=tokenizer.pad_id)
+  updates = list(streaming.text_updates(chunks, tokenizer))
   assert len(updates) > 2 and updates[-1].done.all()
   final = updates[-1].result
   np.testing.assert_array_equal(final.tokens, expected.tokens)
@@ -83,12 +84,3 @@ def test_streamed_text_equals_the_completion(model, decoder):
     first_done = next(i for i, u in enumerate(updates) if u.done[row])
     assert all(u.done[row] for u in updates[first_done:])
     assert all(len(u.new_tokens[row]) == 0 for u in updates[first_done + 1:])
-
-
-def test_bad_decoder_and_tree_for_autoregressive(model):
-  tokenizer = tokenizer_lib.byte_tokenizer()
-  with pytest.raises(ValueError, match='decoder must be one of'):
-    next(streaming.stream(model, tokenizer, [[5, 6]], decoder='beam', max_new_tokens=4))
-  with pytest.raises(ValueError, match='apply to the drafting decoders'):
-    next(streaming.stream(model, tokenizer, [[5, 6]], decoder='autoregressive', tree=2,
-                          max_new_tokens=4))

@@ -5,21 +5,36 @@ ranks, one per depth. Path (0, 1) is the node holding the rank-1 candidate of he
 node holding the rank-0 candidate of head 1. Node 0 is the root: the last accepted token. The
 whole tree is verified by one trunk forward pass over its N tokens with `attention_mask`.
 
-Trees are static: plain numpy arrays inside a frozen dataclass that hashes by its choices, so a
-`Tree` can be a static argument of `jax.jit`.
+Trees are static: plain numpy arrays inside a frozen dataclass that hashes by its structure, so
+a `Tree` can be a static argument of `jax.jit`. Importing this module is cheap (no JAX): the
+launchers read the tree names (`NAMES`) and parse `--tree` (`parse`) before JAX starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 import numbers
 from typing import Callable, Mapping, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 Path = tuple[int, ...]
+# A user's tree: a name of `NAMES`, a chain length, Medusa-style choices, a `Tree`, or None.
+TreeChoice = 'Tree | str | int | Sequence[Sequence[int]] | None'
+# The tree names users pass (`tree=`, `--tree`), the one list every caller reads. The first two
+# are static (built from the model's heads alone); the others are built by the decode plan from
+# the heads' measured accuracies and this hardware's cost curve (`MEASURED`).
+NAMES = {
+    'chain': 'every head\'s top-1 draft in a chain',
+    'default': 'a static Medusa-style tree of 24 nodes cut to the model\'s heads',
+    'auto': 'built from the heads\' measured top-k accuracies, sized by this hardware\'s '
+            'verification cost',
+    'dynamic': 'EAGLE-2: each step and row verifies the nodes its heads find most probable, '
+               'out of the best 64-node tree for their measured accuracies',
+}
+MEASURED = ('auto', 'dynamic')
 # A rank is an index into a head's top-k candidates: far below any vocabulary. The bound keeps
 # every array of the tree within int32.
 _MAX_RANK = 2 ** 20
@@ -46,8 +61,8 @@ class Tree:
     max_children: largest number of children of a node (at least 1, for array shapes).
     level_width: [max_depth] tuple, largest number of children of a node at depth d.
     topk_per_depth: [max_depth] tuple, how many top candidates head d + 1 must provide.
-    lookup_depth: nodes of a prompt-lookup chain hung below the root after the heads' nodes
-      (`with_lookup`); 0 for a tree of head drafts only.
+    lookup_depth: nodes hung below the root after the heads' nodes: other drafters' nodes,
+      such as a prompt-lookup chain (`with_lookup`, `join`); 0 for a tree of head drafts only.
   """
   choices: tuple[Path, ...]
   num_nodes: int
@@ -65,13 +80,15 @@ class Tree:
   topk_per_depth: tuple[int, ...]
   lookup_depth: int = 0
 
-  # Equality and hashing by the defining choices keep the tree usable as a jit static argument.
+  # Equality and hashing by the defining structure keep the tree usable as a jit static
+  # argument.
   def __eq__(self, other):
     return (isinstance(other, Tree) and self.choices == other.choices
-            and self.lookup_depth == other.lookup_depth)
+            and self.lookup_depth == other.lookup_depth
+            and np.array_equal(self.parent, other.parent))
 
   def __hash__(self):
-    return hash((self.choices, self.lookup_depth))
+    return hash((self.choices, self.lookup_depth, self.parent.tobytes()))
 
   def __repr__(self):
     lookup = f', lookup_depth={self.lookup_depth}' if self.lookup_depth else ''
@@ -372,9 +389,7 @@ def choose_tree_size(accuracies,
   return best
 
 
-def draft_tokens_for_tree(tree: Tree, head_topk_tokens: jnp.ndarray,
-                          root_token: jnp.ndarray | None = None,
-                          lookup_tokens: jnp.ndarray | None = None) -> jnp.ndarray:
+def draft_tokens_for_tree(tree: Tree, head_topk_tokens, root_token=None, lookup_tokens=None):
   """Lays the heads' top-k candidates (and any lookup drafts) out on the tree's nodes.
 
   Args:
@@ -390,6 +405,7 @@ def draft_tokens_for_tree(tree: Tree, head_topk_tokens: jnp.ndarray,
     node_tokens: [B, N]; head node n > 0 holds head_topk_tokens[:, depth[n] - 1, rank[n]],
     lookup node num_head_nodes + i holds lookup_tokens[:, i].
   """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel  # The rest is numpy only.
   b, d, r = head_topk_tokens.shape
   tree.check_num_heads(d)
   if tree.topk_per_depth and max(tree.topk_per_depth) > r:
@@ -408,3 +424,88 @@ def draft_tokens_for_tree(tree: Tree, head_topk_tokens: jnp.ndarray,
   if lookup_tokens is not None:
     parts.append(jnp.asarray(lookup_tokens, head_topk_tokens.dtype))
   return jnp.concatenate(parts, axis=1)
+
+
+def parse(value: str | None) -> str | list[tuple[int, ...]] | None:
+  """A tree given as text (a flag, a config value): None, a name of `NAMES` or JSON rank paths.
+
+  Raises:
+    ValueError naming the accepted forms.
+  """
+  if value is None or value in NAMES:
+    return value
+  try:
+    choices = json.loads(value)
+  except (json.JSONDecodeError, TypeError):
+    raise ValueError(f'tree must be one of {", ".join(NAMES)} or JSON choices like '
+                     f'"[[0], [1], [0, 0]]", got {value!r}') from None
+  if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
+    raise ValueError(f'tree choices must be a JSON list of lists of ranks, got {value!r}')
+  return [tuple(c) for c in choices]
+
+
+def static_tree(choice, num_heads: int) -> Tree:
+  """The heads' tree for a choice that needs no measurement, checked against the model's heads.
+
+  Args:
+    choice: None or 'chain' (every head's top-1 in a chain), 'default' (`medusa_default_tree`),
+      an int k (a chain of k drafts), Medusa-style choices, or a `Tree`.
+    num_heads: the model's MTP heads.
+
+  Raises:
+    ValueError: the model has no heads, the name needs measuring ('auto', 'dynamic') or is
+      unknown, or the tree is empty or deeper than the heads.
+  """
+  if num_heads == 0:
+    raise ValueError('drafting with heads needs a model with MTP heads: this model has '
+                     'mtp_num_heads=0')
+  if choice is None or choice == 'chain':
+    return chain_tree(num_heads)
+  if isinstance(choice, str):
+    if choice == 'default':
+      return medusa_default_tree(num_heads)
+    if choice in MEASURED:
+      raise ValueError(f'tree={choice!r} is built from measurements of the model '
+                       '(`mtp.decode.plan`), not a static tree')
+    raise ValueError(f'tree must be one of {", ".join(NAMES)}, Medusa-style choices or None, '
+                     f'got {choice!r}')
+  if isinstance(choice, numbers.Integral) and not isinstance(choice, bool):
+    if choice < 1:
+      raise ValueError(f'chain length must be >= 1, got {choice}')
+    if choice > num_heads:
+      raise ValueError(f'chain length {choice} exceeds the number of MTP heads {num_heads}')
+    return chain_tree(int(choice))
+  tree = choice if isinstance(choice, Tree) else tree_from_choices(choice)
+  if tree.head_depth < 1:
+    raise ValueError('the candidate tree has no drafted nodes')
+  tree.check_num_heads(num_heads)
+  return tree
+
+
+def join(subtrees: Sequence[Tree]) -> tuple[Tree, np.ndarray]:
+  """One block from several drafters' subtrees, each hung below the shared root in turn.
+
+  Args:
+    subtrees: each drafter's tree (its root is the block's root).
+
+  Returns:
+    (the block: a Tree whose nodes are the root, then every subtree's non-root nodes in order;
+    owner [N] int32: the index of the subtree each node comes from, -1 for the root). A single
+    subtree is returned as it is (a chain stays a chain). Nodes after the first subtree count
+    as `lookup_depth` nodes (they are not the heads' ranks: `num_head_nodes` covers the first).
+  """
+  if len(subtrees) == 1:
+    owner = np.zeros(subtrees[0].num_nodes, np.int32)
+    owner[0] = -1
+    return subtrees[0], owner
+  parent, rank, owner = [-1], [-1], [-1]
+  for index, sub in enumerate(subtrees):
+    offset = len(parent) - 1
+    for node in range(1, sub.num_nodes):
+      p = int(sub.parent[node])
+      parent.append(0 if p == 0 else p + offset)
+      rank.append(int(sub.rank[node]) if index == 0 else -1)
+      owner.append(index)
+  first = subtrees[0]
+  tree = _assemble(first.choices, parent, rank, lookup_depth=len(parent) - first.num_nodes)
+  return tree, np.asarray(owner, np.int32)

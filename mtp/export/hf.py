@@ -144,12 +144,11 @@ def llama_config(cfg: transformer.TransformerConfig, special, dtype: np.dtype) -
 
 
 def suppressed_ids(tokenizer, vocab_size: int) -> list[int]:
-  """Ids mtp's decoders never emit (see `mtp.api._emittable`): output rows past the tokenizer's
-  vocabulary, and the pad id unless it doubles as eos."""
-  ids = list(range(min(tokenizer.vocab_size, vocab_size), vocab_size))
-  if tokenizer.pad_id != tokenizer.eos_id:
-    ids.insert(0, tokenizer.pad_id)
-  return ids
+  """Ids mtp's decoders never emit (`decode.plan.emittable`, the one rule): the pad id unless
+  it doubles as eos, and output rows past the tokenizer's vocabulary."""
+  from mtp.decode import plan  # pylint: disable=import-outside-toplevel
+  limit, banned = plan.emittable(tokenizer, vocab_size)
+  return list(banned) + list(range(vocab_size if limit is None else limit, vocab_size))
 
 
 def tokenizer_config(tokenizer, max_seq_len: int) -> dict[str, Any]:
@@ -205,7 +204,7 @@ def write(loaded, directory: pathlib.Path, dtype: Any = np.float32, *,
   """Writes the Hugging Face export of `loaded` into the existing empty `directory`.
 
   Args:
-    loaded: an `mtp.api.LoadedModel` (trunk and heads merged).
+    loaded: a `checkpoint.loading.LoadedModel` (trunk and heads merged).
     directory: where to write (empty; the caller stages and renames it).
     dtype: float32, bfloat16 or float16.
     max_shard_bytes: weights above this are sharded with an index.

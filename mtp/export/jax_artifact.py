@@ -1,33 +1,34 @@
 """`--format=jax_export`: the whole generate function, serialized with `jax.export`.
 
-One program per decoder (and per sampling setting asked for): the prefill and the decode
-`while_loop` of `mtp/decode/driver.py`, traced once and lowered to StableHLO for every platform
-that lowers here (`cpu`, and `cuda` and `tpu` without their hardware). Running it needs JAX and
-the files, not this package's model code (`runtime.py`).
+One program per decoder (and per sampling setting asked for): the decode engine's prefill and
+`while_loop` (`mtp.decode.engine.Engine.decode_function`), traced once and lowered to StableHLO
+for every platform that lowers here (`cpu`, and `cuda` and `tpu` without their hardware).
+Running it needs JAX and the files, not this package's model code (`runtime.py`).
 
 Contract of each program (all arguments are arrays; none is donated):
   generate(params, prompts, lengths, key, eos_id, pad_id, max_new_tokens) -> dict(
       tokens [b, M] int32 (pad_id after each row's end), num_generated [b] int32,
-      num_steps [b] int32, accepted_histogram [b, depth + 2] int32)
+      num_steps [b] int32, accepted_histogram [b, depth + 2] int32, reason [b] int32 (why
+      each row stopped: `decode/finish.py`))
   params          {name: array}: the model's parameters, flat ('trunk/embed/embedding', ...),
                   as saved beside the programs in params.safetensors: arguments, not constants
-  prompts         [b, p] int32, right-padded; lengths [b] int32: valid tokens per row
-  key             the raw data of a PRNG key (`jax.random.key_data`; manifest: prng_impl)
+  prompts         [b, p] int32, right-padded, p a multiple of 64 (the prefill's chunk);
+                  lengths [b] int32: valid tokens per row
+  key             the raw data of a PRNG key (`jax.random.key_data`; manifest: prng_impl);
+                  row r samples with its fold by r
   eos_id, pad_id  [] int32 (eos_id -1: none)
-  max_new_tokens  [] int32 in [1, M]
+  max_new_tokens  [] int32 in [1, M]: every row's token budget
 
 Shapes: the batch b and the prompt width p are symbolic: one program serves every batch size
-and prompt length, compiled for each concrete shape on first use (as `jax.jit` would); listed
-buckets would each cost an export, a file and a compile, for nothing symbolic shapes lack here.
+and prompt length, compiled for each concrete shape on first use (as `jax.jit` would). The KV
+cache holds any prompt the model's positions allow; its chunked attention reads only the slots
+a batch has filled, so the size costs memory, not time.
 
-Baked in (the static part of a `DecodeRequest`, recorded in the manifest), because they change
-the traced program: the decoder and its tree (and lookup chain), greedy or the one sampling
-setting (temperature, top_k, top_p), M = the most tokens a call may generate (it sizes the
-output buffer and the KV cache: capacity p + M + tree size), and the ids never emitted (the
-tokenizer's). Traced, so free per call: prompts, batch size, eos/pad ids, the seed, and
-max_new_tokens up to M: the loop's token buffer starts M - max_new_tokens columns in, so rows
-stop exactly where a decoder built for max_new_tokens would (same tokens, steps and accepted
-counts), at the cost of a KV cache sized for M.
+Baked in (the static part of a decode plan, recorded in the manifest), because they change the
+traced program: the decoder and its tree (and lookup chain), greedy or the one sampling setting
+(temperature, top_k, top_p), M = the most tokens a call may generate, and the ids never emitted
+(the tokenizer's). Traced, so free per call: prompts, batch size, eos/pad ids, the seed, and
+max_new_tokens up to M (a per-row budget in the loop, as in every decoder).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ import numpy as np
 from flax import nnx
 
 from mtp.checkpoint import fingerprint
-from mtp.decode import driver
-from mtp.decode import request as request_lib
+from mtp.decode import loop
+from mtp.decode import plan as plan_lib
+from mtp.decode import settings as settings_lib
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
 from mtp.export import ExportError
@@ -76,12 +78,12 @@ def variants(model_cfg: mtp_model.ModelConfig, *, max_new_tokens: int | None = N
              tree=None, lookup: int = 0, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, platforms: Sequence[str] = PLATFORMS
              ) -> tuple[int, tuple[str, ...], list[dict[str, Any]]]:
-  """(M, platforms, one `request.make_request` keyword set per program), checked.
+  """(M, platforms, one program's settings per program), checked.
 
   The programs: autoregressive and (for a model with heads) speculative decoding, greedy,
-  plus both sampled when `temperature` > 0. `tree`: None or 'chain' (every head's top-1),
-  'default' (the static Medusa-style tree) or Medusa-style choices; `lookup` hangs a prompt
-  lookup chain below it in the greedy speculative program (lookup drafts are greedy only).
+  plus both sampled when `temperature` > 0. `tree`: a static name of `trees.NAMES` or
+  Medusa-style choices; `lookup` hangs a prompt lookup chain below it in the greedy
+  speculative program.
 
   Raises:
     ExportError naming the bad option.
@@ -98,10 +100,9 @@ def variants(model_cfg: mtp_model.ModelConfig, *, max_new_tokens: int | None = N
   if bad or not platforms:
     raise ExportError(f'platforms must be some of {", ".join(KNOWN_PLATFORMS)}, got '
                       f'{list(platforms)}')
-  if isinstance(tree, str) and tree not in ('chain', 'default'):
-    raise ExportError(f'tree must be chain, default or Medusa-style choices for an export, got '
-                      f'{tree!r} (tree=auto measures the heads at run time: export the tree '
-                      'it picks as choices)')
+  if isinstance(tree, str) and tree in trees_lib.MEASURED:
+    raise ExportError(f'tree={tree!r} is measured at run time, which an export cannot do: '
+                      'export the tree it picks as Medusa-style choices')
   settings = [dict(temperature=0.0, top_k=0, top_p=1.0)]
   if temperature:
     settings.append(dict(temperature=temperature, top_k=top_k, top_p=top_p))
@@ -116,22 +117,15 @@ def variants(model_cfg: mtp_model.ModelConfig, *, max_new_tokens: int | None = N
     for setting in settings:
       kwargs = dict(decoder=decoder, **setting)
       if decoder == 'speculative':
-        kwargs['tree'] = _tree(tree, model_cfg.mtp_num_heads)
-        kwargs['lookup'] = lookup if setting['temperature'] == 0 else 0  # Checked below.
-      try:
-        request_lib.make_request(model_cfg, 1, max_new_tokens=int(max_new_tokens), **kwargs)
-      except ValueError as e:
-        raise ExportError(f'cannot export the {decoder} decoder: {e}') from None
+        try:
+          kwargs['tree'] = trees_lib.static_tree(tree, model_cfg.mtp_num_heads)
+        except ValueError as e:
+          raise ExportError(f'cannot export the {decoder} decoder: {e}') from None
+        kwargs['lookup'] = int(lookup or 0)
+        if not 0 <= kwargs['lookup'] <= 64:
+          raise ExportError(f'lookup must be an integer in [0, 64], got {lookup!r}')
       out.append(kwargs)
   return int(max_new_tokens), platforms, out
-
-
-def _tree(tree, num_heads: int):
-  if tree is None or tree == 'chain':
-    return None
-  if tree == 'default':
-    return trees_lib.medusa_default_tree(num_heads)
-  return tree
 
 
 def write(loaded, directory: pathlib.Path, dtype: np.dtype, **options) -> dict[str, Any]:
@@ -156,38 +150,49 @@ def write(loaded, directory: pathlib.Path, dtype: np.dtype, **options) -> dict[s
   (directory / 'config.json').write_text(json.dumps(config, indent=2, sort_keys=True,
                                                     default=list))
 
-  emittable = _emittable(tokenizer, model.cfg)
+  vocab_limit, banned = plan_lib.emittable(tokenizer, model.cfg.trunk.vocab_size)
   key_data = jax.random.key_data(jax.random.key(0))
-  b, p = jax.export.symbolic_shape('b, p')
+  b, k = jax.export.symbolic_shape('b, k')
+  # Prompts come padded to whole prefill chunks (`runtime.Program.run` pads them).
   specs = ({n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in params.items()},
-           jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+           jax.ShapeDtypeStruct((b, loop.PREFILL_CHUNK * k), jnp.int32),
+           jax.ShapeDtypeStruct((b,), jnp.int32),
            jax.ShapeDtypeStruct(key_data.shape, key_data.dtype),
            *(jax.ShapeDtypeStruct((), jnp.int32),) * 3)
   prng_impl = str(jax.config.jax_default_prng_impl)
+  # The model's own layout: the program may run on another platform than this one.
+  unfused = state_lib.PreparedModel(model, fuse=False)
   records, all_failures = [], {}
   for kwargs in programs:
-    request = request_lib.make_request(model.cfg, p, max_new_tokens=max_new_tokens, **kwargs,
-                                       **emittable)
-    fn = jax.jit(_generate_fn(graphdef, treedef, names, request, prng_impl))
+    # The cache holds any prompt the model's positions allow (its attention reads only the
+    # filled part); M bounds the tokens.
+    engine = plan_lib.resolve(
+        unfused, kwargs['decoder'], max_new_tokens=max_new_tokens,
+        prompt_width=model.cfg.trunk.max_seq_len - max_new_tokens, tree=kwargs.get('tree'),
+        lookup=kwargs.get('lookup'), draft_vocab=0, greedy_only=kwargs['temperature'] == 0,
+        emittable_ids=(vocab_limit, banned))
+    fn = jax.jit(_generate_fn(graphdef, treedef, names, engine, kwargs, prng_impl))
     start = time.perf_counter()
     exported, failures = _export(fn, specs, platforms)
     blob = exported.serialize()
     name = _program_name(kwargs)
     (directory / f'{name}{SUFFIX}').write_bytes(blob)
     all_failures.update(failures)
+    block, _ = engine.plan.block(engine.plan.num_kinds)
     records.append({
         'file': f'{name}{SUFFIX}', 'decoder': kwargs['decoder'],
         'temperature': kwargs['temperature'], 'top_k': kwargs['top_k'],
         'top_p': kwargs['top_p'],
-        'tree': [list(c) for c in request.tree.choices] if request.drafts else None,
-        'lookup': request.tree.lookup_depth, 'histogram_width': request.depth + 2,
+        'tree': [list(c) for c in block.choices] if engine.plan.num_kinds else None,
+        'lookup': block.lookup_depth, 'histogram_width': engine.plan.depth + 2,
+        'prompt_chunk': loop.PREFILL_CHUNK,
         'platforms': list(exported.platforms), 'bytes': len(blob),
         'export_seconds': round(time.perf_counter() - start, 3)})
   return {
       'programs': records, 'max_new_tokens': max_new_tokens,
       'platforms': sorted(set.intersection(*(set(r['platforms']) for r in records))),
       'lowering_failures': all_failures,
-      'shapes': {'batch': 'symbolic', 'prompt_width': 'symbolic'},
+      'shapes': {'batch': 'symbolic', 'prompt_width': f'symbolic, {loop.PREFILL_CHUNK} * k'},
       'params': {'file': PARAMS_FILE, 'count': len(names),
                  'bytes': (directory / PARAMS_FILE).stat().st_size},
       'prng_impl': prng_impl, 'key_shape': list(key_data.shape),
@@ -196,18 +201,13 @@ def write(loaded, directory: pathlib.Path, dtype: np.dtype, **options) -> dict[s
       'calling_convention_version': exported.calling_convention_version,
       # What each program fixed when it was traced, and what a call still chooses.
       'baked': {'per_program': ['decoder', 'tree', 'lookup', 'temperature', 'top_k', 'top_p'],
-                'max_new_tokens': max_new_tokens, 'vocab_limit': emittable['vocab_limit'],
-                'banned_ids': list(emittable['banned_ids']), 'devices': 1},
+                'max_new_tokens': max_new_tokens, 'vocab_limit': vocab_limit,
+                'banned_ids': list(banned), 'devices': 1},
       'traced': ['batch size', 'prompt width', 'prompts', 'lengths', 'seed (key)', 'eos_id',
                  'pad_id', f'max_new_tokens in [1, {max_new_tokens}]'],
       'arguments': ['params', 'prompts', 'lengths', 'key', 'eos_id', 'pad_id',
                     'max_new_tokens'],
-      'outputs': ['tokens', 'num_generated', 'num_steps', 'accepted_histogram']}
-
-
-def _emittable(tokenizer, model_cfg) -> dict:
-  from mtp import api  # pylint: disable=import-outside-toplevel  # As mtp.generate bans them.
-  return api._emittable(tokenizer, model_cfg)  # pylint: disable=protected-access
+      'outputs': ['tokens', 'num_generated', 'num_steps', 'accepted_histogram', 'reason']}
 
 
 def _program_name(kwargs: dict) -> str:
@@ -217,31 +217,30 @@ def _program_name(kwargs: dict) -> str:
           f'-p{kwargs["top_p"]:g}')
 
 
-def _generate_fn(graphdef, treedef, names: list[str], request: request_lib.DecodeRequest,
-                 prng_impl: str):
-  """The function exported: `driver`'s prefill and loop, with a traced max_new_tokens."""
-  m = request.max_new_tokens
+def _generate_fn(graphdef, treedef, names: list[str], engine, kwargs: dict, prng_impl: str):
+  """The function exported: the engine's prefill and loop (`Engine.decode_function`), every
+  row with the program's sampling settings, the call's stop id, seed and token budget."""
+  m = engine.plan.max_new_tokens
+  decode = engine.decode_function()
 
   def generate(params, prompts, lengths, key, eos_id, pad_id, max_new_tokens):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, [params[n] for n in names]))
-    rng = jax.random.wrap_key_data(key, impl=prng_impl)
-    # pylint: disable=protected-access  # The driver's two compiled pieces, as `decode` runs them.
-    # Every row is active (traced ones: the batch size is symbolic).
-    active = jnp.ones(prompts.shape[:1], bool)
-    # The model's own layout: the program may run on another platform than this one.
-    prepared, state = driver._begin(state_lib.prepare(model, fuse=False), prompts, lengths,
-                                    request, rng, eos_id, pad_id, active)
-    # The buffer is M wide: start each row M - max_new_tokens columns in, so the loop's own
-    # cut at M (static) falls after max_new_tokens tokens.
-    offset = m - jnp.clip(max_new_tokens, 1, m)
-    num_generated = state.num_generated + offset
-    state = state.replace(tokens=jnp.roll(state.tokens, offset, axis=1),
-                          num_generated=num_generated, done=state.done | (num_generated >= m))
-    state = driver._run(prepared.structure, prepared.leaves, state, jnp.int32(m), None,
-                        request)
-    return {'tokens': jnp.roll(state.tokens, -offset, axis=1)[:, :m],
-            'num_generated': state.num_generated - offset, 'num_steps': state.num_steps,
-            'accepted_histogram': state.histogram}
+    b = prompts.shape[0]
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+        jax.random.wrap_key_data(key, impl=prng_impl), jnp.arange(b, dtype=jnp.uint32))
+    full = lambda value, dtype: jnp.full((b,), value, dtype)  # noqa: E731
+    settings = settings_lib.RowSettings(
+        temperature=full(kwargs['temperature'], jnp.float32),
+        top_k=full(kwargs['top_k'], jnp.int32), top_p=full(kwargs['top_p'], jnp.float32),
+        max_tokens=full(jnp.clip(max_new_tokens, 1, m), jnp.int32),
+        stop_ids=jnp.broadcast_to(jnp.where(eos_id >= 0, eos_id, -1), (b, 1)).astype(jnp.int32),
+        key=jax.random.key_data(row_keys))
+    state = decode(model, prompts, lengths, settings)
+    n = state.num_generated
+    return {'tokens': jnp.where(jnp.arange(m)[None, :] < n[:, None], state.tokens[:, :m],
+                                pad_id),
+            'num_generated': n, 'num_steps': state.num_steps,
+            'accepted_histogram': state.histogram, 'reason': state.reason}
   return generate
 
 

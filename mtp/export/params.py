@@ -16,7 +16,6 @@ shardings the restoring process asks for.
 from __future__ import annotations
 
 import pathlib
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +25,6 @@ from flax import nnx
 from mtp.checkpoint import checkpointing
 from mtp.export import manifest as manifest_lib
 
-_ACCURACIES_FILE = 'head_accuracies.json'  # mtp.api's cache; keyed by step, so still valid.
-
-
 def cast_params(state: nnx.State, dtype: np.dtype) -> nnx.State:
   """`state` with every floating-point array in `dtype` (integer arrays, if any, kept)."""
   # jnp.issubdtype knows bfloat16 is a float (numpy's does not).
@@ -37,7 +33,7 @@ def cast_params(state: nnx.State, dtype: np.dtype) -> nnx.State:
 
 
 def write(loaded, directory: pathlib.Path, dtype: np.dtype) -> dict:
-  """Writes `loaded` (an `mtp.api.LoadedModel`) as a params export into empty `directory`.
+  """Writes `loaded` (an `checkpoint.loading.LoadedModel`) as a params export into empty `directory`.
 
   Returns:
     bytes of the checkpoint written, and of the source's training checkpoint (parameters,
@@ -57,9 +53,6 @@ def write(loaded, directory: pathlib.Path, dtype: np.dtype) -> dict:
     checkpointer.save_params(loaded.step, params)
   finally:
     checkpointer.close()
-  accuracies = loaded.workdir / _ACCURACIES_FILE
-  if accuracies.is_file():
-    shutil.copyfile(accuracies, directory / _ACCURACIES_FILE)
   checkpoints = directory / checkpointing.CHECKPOINT_DIRNAME
   return {'checkpoint_bytes': manifest_lib.directory_bytes(checkpoints),
           'training_checkpoint_bytes': training_checkpoint_bytes(loaded.workdir, loaded.step)}

@@ -1,7 +1,8 @@
 """Runs a jax_export directory: deserialize the programs, call them. No model code.
 
-This module imports JAX, numpy, safetensors, the tokenizer and the tree helpers
-(`decode/trees.py`, plain numpy), never `mtp.model` nor the decode loop: what runs is the
+This module imports JAX, numpy, safetensors, the tokenizer, the tree helpers
+(`decode/trees.py`, plain numpy) and the finish reasons (`decode/finish.py`), never `mtp.model`
+nor the decode loop: what runs is the
 StableHLO in the `*.jax_exported` files (`jax_artifact.py` documents their contract).
 
 `load(directory)` reads the manifest, the tokenizer and the parameters (placed on the device
@@ -15,16 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import numbers
 import pathlib
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 
 from mtp.data import tokenizer as tokenizer_lib
+from mtp.decode import finish
 from mtp.decode import trees as trees_lib
 from mtp.export import manifest as manifest_lib
 
@@ -43,6 +44,13 @@ class Result:
   num_generated: np.ndarray
   num_steps: np.ndarray
   accepted_histogram: np.ndarray
+  reason: np.ndarray
+  logprobs: None = None
+  top_ids: None = None
+  top_logprobs: None = None
+
+  def finish_reason(self, row: int) -> str | None:
+    return finish.finish_reason(self.reason[row])
 
   @property
   def mean_accepted(self) -> np.ndarray:
@@ -71,15 +79,19 @@ class Program:
           max_new_tokens: int, eos_id: int | None, pad_id: int) -> Result:
     """Decodes [B, P] right-padded int32 prompts with per-row `lengths` [B]."""
     start = time.perf_counter()
-    out = self._call(params, np.asarray(prompts, np.int32),
-                             np.asarray(lengths, np.int32), key,
+    prompts = np.asarray(prompts, np.int32)
+    chunk = int(self.record.get('prompt_chunk', 1))  # Its prompts' width is a multiple of it.
+    width = -(-prompts.shape[1] // chunk) * chunk
+    prompts = np.pad(prompts, ((0, 0), (0, width - prompts.shape[1])))
+    out = self._call(params, prompts, np.asarray(lengths, np.int32), key,
                              np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id),
                              np.int32(max_new_tokens))
     out = jax.device_get(out)
     if self.first_call_seconds is None:
       self.first_call_seconds = time.perf_counter() - start
     return Result(tokens=out['tokens'], num_generated=out['num_generated'],
-                  num_steps=out['num_steps'], accepted_histogram=out['accepted_histogram'])
+                  num_steps=out['num_steps'], accepted_histogram=out['accepted_histogram'],
+                  reason=out['reason'])
 
 
 @dataclasses.dataclass
@@ -87,7 +99,7 @@ class LoadedArtifact:
   """A jax_export directory, loaded: what `mtp.load` returns for one.
 
   Attributes:
-    tokenizer, config, step, workdir: as `mtp.api.LoadedModel`'s (workdir: the export).
+    tokenizer, config, step, workdir: as `checkpoint.loading.LoadedModel`'s (workdir: the export).
     manifest: `export.json`.
     params: {name: device array}, the programs' first argument.
     programs: every program of the artifact.
@@ -134,7 +146,7 @@ class LoadedArtifact:
     """The program that serves these settings.
 
     `tree` None and `lookup` 0 take the program's own; given, they must be the ones it was
-    exported with ('chain', 'default', choices or a `trees.Tree`).
+    exported with (a static name of `trees.NAMES`, choices or a `trees.Tree`).
 
     Raises:
       ArtifactMismatchError: no program serves them (the message lists what the artifact
@@ -185,20 +197,14 @@ class LoadedArtifact:
 
 def _choices(tree, num_heads: int) -> set[tuple[int, ...]]:
   """A tree option as the set of its Medusa-style paths."""
-  if isinstance(tree, str):
-    if tree == 'chain':
-      tree = trees_lib.chain_tree(num_heads)
-    elif tree == 'default':
-      tree = trees_lib.medusa_default_tree(num_heads)
-    else:
-      raise ArtifactMismatchError(
-          f'tree={tree!r} cannot be used with an exported artifact (it needs the model: '
-          "'auto' measures the heads); leave it unset to use the artifact's tree")
-  elif isinstance(tree, numbers.Integral) and not isinstance(tree, bool):
-    tree = trees_lib.chain_tree(int(tree))
-  elif not isinstance(tree, trees_lib.Tree):
-    tree = trees_lib.tree_from_choices(tree)
-  return set(tree.choices)
+  if isinstance(tree, str) and tree in trees_lib.MEASURED:
+    raise ArtifactMismatchError(
+        f'tree={tree!r} cannot be used with an exported artifact (it measures the model); '
+        "leave it unset to use the artifact's tree")
+  try:
+    return set(trees_lib.static_tree(tree, num_heads).choices)
+  except ValueError as e:
+    raise ArtifactMismatchError(str(e)) from None
 
 
 def is_artifact(directory: str | pathlib.Path) -> bool:
@@ -243,15 +249,3 @@ def load(directory: str | pathlib.Path, device: jax.Device | None = None) -> Loa
   return LoadedArtifact(tokenizer=tokenizer, config=config, step=int(manifest['step']),
                         workdir=directory, manifest=manifest, params=params,
                         programs=programs, load_seconds=time.perf_counter() - start)
-
-
-def check_prompts(artifact: LoadedArtifact, lengths: Sequence[int], max_new_tokens: int) -> None:
-  """Prompt lengths and max_new_tokens against the artifact's limits; errors name the prompt."""
-  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
-      or max_new_tokens < 1):
-    raise ValueError(f'max_new_tokens must be a positive integer, got {max_new_tokens!r}')
-  longest = int(np.argmax(lengths))
-  if lengths[longest] + max_new_tokens > artifact.max_seq_len:
-    raise ValueError(f'prompt length {int(lengths[longest])} + max_new_tokens {max_new_tokens} '
-                     f'= {int(lengths[longest]) + max_new_tokens} exceeds the model position '
-                     f'limit max_seq_len={artifact.max_seq_len} (prompt {longest} is the longest)')

@@ -108,14 +108,14 @@ def export(workdir: str | os.PathLike, format: str, output: str | os.PathLike, *
   if hasattr(module, 'check_options'):  # Before the model loads: bad options fail at once.
     module.check_options(workdir, np_dtype, **options)
 
-  import mtp  # pylint: disable=import-outside-toplevel  # JAX starts here, after the checks.
+  from mtp.checkpoint import loading  # pylint: disable=import-outside-toplevel  # JAX starts here.
   from mtp.checkpoint import workdir_lock  # pylint: disable=import-outside-toplevel
   output.parent.mkdir(parents=True, exist_ok=True)
   with workdir_lock.WorkdirLock(output):
     _check_output(output)  # Still free now that it is ours.
     # Every format holds per-layer weights, as serving reads them (MaxText unstacks its scanned
     # checkpoints the same way): a scanned trunk loads unstacked.
-    loaded = mtp.load(workdir, step=step, scan_layers=False)
+    loaded = loading.load(workdir, step=step, scan_layers=False)
     loaded_at = time.perf_counter()
     # Staging siblings of exports to this output that were killed: stale, as the lock is ours.
     for stale in output.parent.glob(f'.{output.name}.exporting-*'):

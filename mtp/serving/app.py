@@ -16,7 +16,6 @@ from fastapi import responses
 from fastapi import staticfiles
 from starlette import exceptions as starlette_exceptions
 
-from mtp.decode import decoders as decoders_lib
 from mtp.serving import batcher as batcher_lib
 from mtp.serving import chat as chat_lib
 from mtp.serving import metrics as metrics_lib
@@ -29,7 +28,7 @@ _NON_STREAM_POLL_S = 0.5  # How often a waiting non-streamed request checks its 
 
 
 def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
-               default_max_tokens: int = 16, default_decoder: str = decoders_lib.SERVED_DEFAULT,
+               default_max_tokens: int = 16, default_decoder: str | None = None,
                metrics: metrics_lib.Metrics | None = None) -> fastapi.FastAPI:
   """The server's app around a started (or starting) `Batcher`."""
   metrics = metrics or batcher.metrics or metrics_lib.Metrics()
@@ -37,10 +36,8 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
                         active_rows=lambda: batcher.active_rows,
                         warm=lambda: int(batcher.warm.is_set()))
   tokenizer = batcher.tokenizer
-  decoders = tuple(d for d in decoders_lib.SERVED
-                   if batcher.model_cfg.mtp_num_heads or not decoders_lib.get(d).drafts)
-  if default_decoder not in decoders:
-    default_decoder = 'autoregressive'
+  decoders = batcher.decoders
+  default_decoder = default_decoder or decoders[0]
   app = fastapi.FastAPI(title='mtp', docs_url=None, redoc_url=None)
   created = int(time.time())
 
@@ -63,7 +60,8 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
   async def health():
     metrics.request('/health', 200)
     return {'status': 'ok', 'warm': batcher.warm.is_set(), 'model': model_name,
-            'queue_depth': batcher.queue_depth, 'active_rows': batcher.active_rows}
+            'queue_depth': batcher.queue_depth, 'active_rows': batcher.active_rows,
+            'compiled': list(batcher.compiled)}
 
   @app.get('/metrics')
   async def prometheus():
@@ -94,53 +92,77 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
     endpoint = request.url.path
     try:
       body = schemas.parse_json(await request.body())
-      sampling = schemas.sampling(body, default_max_tokens=default_max_tokens,
-                                  decoders=decoders, default_decoder=default_decoder)
+      options = schemas.options(body, default_max_tokens=default_max_tokens,
+                                decoders=decoders, default_decoder=default_decoder, chat=chat,
+                                max_n=batcher.max_batch)
       if chat:
         text = chat_lib.render(tokenizer, schemas.messages(body))
         ids = chat_lib.encode(tokenizer, text)
       else:
         text = schemas.prompt(body)
         ids = tokenizer.encode(text)
-      batcher.check(ids, sampling)
+      batcher.check(ids, options)
     except schemas.RequestError as e:
       return error(e.status, e.message, e.kind, endpoint, e.param, e.code)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job = batcher_lib.Job(ids, sampling, prompt=text,
-                          emit=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+    seed = batcher_lib.fresh_seed() if options.seed is None else options.seed
+    emit = lambda e: loop.call_soon_threadsafe(events.put_nowait, e)  # noqa: E731
+    jobs = [batcher_lib.Job(ids, options, prompt=text, emit=emit, index=i, seed=seed)
+            for i in range(options.n)]
     try:
-      batcher.submit(job)
+      for job in jobs:
+        batcher.submit(job)
     except batcher_lib.QueueFull as e:
+      for job in jobs:
+        job.cancelled.set()
       return error(503, f'{e}; retry later', 'server_overloaded', endpoint,
                    code='queue_full', headers={'Retry-After': '1'})
     rid = schemas.new_id('chatcmpl' if chat else 'cmpl')
-    if sampling.stream:
+    if options.stream:
       metrics.request(endpoint, 200)  # The status line goes out with the first byte.
-      return responses.StreamingResponse(_sse(job, events, rid, model_name, chat),
+      return responses.StreamingResponse(_sse(jobs, events, rid, model_name, chat),
                                          media_type='text/event-stream',
                                          headers={'Cache-Control': 'no-cache'})
-    return await _collect(request, job, events, rid, chat, endpoint, error)
+    return await _collect(request, jobs, events, rid, chat, endpoint, error)
 
-  async def _collect(request, job, events, rid, chat, endpoint, error):
-    text = []
-    while True:
+  async def _collect(request, jobs, events, rid, chat, endpoint, error):
+    texts = [[] for _ in jobs]
+    logprobs = [[] for _ in jobs]
+    done = {}
+    while len(done) < len(jobs):
       try:
         event = await asyncio.wait_for(events.get(), _NON_STREAM_POLL_S)
       except asyncio.TimeoutError:
         if await request.is_disconnected():
-          job.cancelled.set()
+          for job in jobs:
+            job.cancelled.set()
           return error(499, 'client closed the request', 'cancelled', endpoint)
         continue
       if event.kind == 'delta':
-        text.append(event.text)
+        texts[event.index].append(event.text)
+        if event.logprobs is not None:
+          logprobs[event.index].append(event.logprobs)
       elif event.kind == 'error':
+        for job in jobs:
+          job.cancelled.set()
         return error(event.status, event.message, 'server_error', endpoint)
       else:
-        metrics.request(endpoint, 200)
-        return schemas.completion_body(
-            rid, model_name, ''.join(text), event.finish_reason, chat=chat, usage_=event.usage,
-            extra={'tokens': list(event.all_tokens), 'decoder': job.sampling.decoder})
+        done[event.index] = event
+    metrics.request(endpoint, 200)
+    options = jobs[0].options
+    choices = [schemas.choice(i, ''.join(texts[i]), done[i].finish_reason, chat=chat,
+                              logprobs=_joined(logprobs[i], chat)
+                              if options.logprobs is not None else None)
+               for i in range(len(jobs))]
+    usages = [done[i].usage for i in range(len(jobs))]
+    usage = dict(usages[0], completion_tokens=sum(u['completion_tokens'] for u in usages))
+    usage['total_tokens'] = usage['prompt_tokens'] + usage['completion_tokens']
+    extra = {'tokens': list(done[0].all_tokens), 'decoder': options.decoder}
+    if len(jobs) > 1:
+      extra['choices_tokens'] = [list(done[i].all_tokens) for i in range(len(jobs))]
+    return schemas.completion_body(rid, model_name, choices, chat=chat, usage_=usage,
+                                   extra=extra)
 
   @app.post('/v1/completions')
   async def completions(request: fastapi.Request):
@@ -153,37 +175,55 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
   return app
 
 
-async def _sse(job: batcher_lib.Job, events: asyncio.Queue, rid: str, model: str, chat: bool):
-  """Server-sent events: one chunk per verification step's tokens, then usage, then [DONE].
+def _joined(pieces: list[dict], chat: bool) -> dict:
+  """One choice's logprobs from its chunks' pieces."""
+  if chat:
+    return {'content': [entry for piece in pieces for entry in piece['content']]}
+  joined = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+  for piece in pieces:
+    for key in joined:
+      joined[key] += piece[key]
+  return joined
+
+
+async def _sse(jobs: list[batcher_lib.Job], events: asyncio.Queue, rid: str, model: str,
+               chat: bool):
+  """Server-sent events: one chunk per verification step's tokens of each choice, then its
+  finish and usage, then [DONE].
 
   Each chunk's non-standard `mtp` field holds the step number, how many tokens the step
   accepted and their ids, so a page can shade each step's run. A client that goes away cancels
-  this generator: its row is stopped at the next chunk boundary.
+  this generator: its rows are stopped at the next chunk boundary.
   """
   def data(body) -> str:
     return f'data: {json.dumps(body, ensure_ascii=False)}\n\n'
 
+  def chunk(choices, **kwargs):
+    return data(schemas.completion_body(rid, model, choices, chat=chat, chunk=True, **kwargs))
+
   try:
-    if chat:  # OpenAI's first chat chunk names the role.
-      yield data(schemas.completion_body(rid, model, '', None, chat=True, chunk=True))
-    while True:
+    if chat:  # OpenAI's first chat chunks name the role.
+      yield chunk([schemas.choice(job.index, '', None, chat=True, chunk=True) for job in jobs])
+    finished = 0
+    while finished < len(jobs):
       event = await events.get()
       if event.kind == 'delta':
-        yield data(schemas.completion_body(
-            rid, model, event.text, None, chat=chat, chunk=True,
-            extra={'step': event.step, 'accepted': len(event.tokens),
-                   'tokens': list(event.tokens)}))
+        yield chunk([schemas.choice(event.index, event.text, None, chat=chat, chunk=True,
+                                    logprobs=event.logprobs, role=False)],
+                    extra={'step': event.step, 'accepted': len(event.tokens),
+                           'tokens': list(event.tokens), 'index': event.index})
       elif event.kind == 'error':
         yield data(schemas.error_body(event.message, 'server_error'))
         break
       else:
-        final = schemas.completion_body(rid, model, '', event.finish_reason, chat=chat,
-                                        chunk=True, usage_=event.usage,
-                                        extra={'tokens': list(event.all_tokens)})
+        finished += 1
+        final = schemas.choice(event.index, '', event.finish_reason, chat=chat, chunk=True,
+                               role=False)
         if chat:
-          final['choices'][0]['delta'] = {}
-        yield data(final)
-        break
+          final['delta'] = {}
+        yield chunk([final], usage_=event.usage,
+                    extra={'tokens': list(event.all_tokens), 'index': event.index})
     yield 'data: [DONE]\n\n'
   finally:
-    job.cancelled.set()  # A no-op once the job has finished; frees the row otherwise.
+    for job in jobs:
+      job.cancelled.set()  # A no-op once a job has finished; frees its row otherwise.

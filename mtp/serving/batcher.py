@@ -1,19 +1,25 @@
-"""Scheduling requests onto the batched decode loop, on one worker thread: continuous batching.
+"""Continuous batching over the decode engine, on one worker thread.
 
-Requests that share a compiled decoder (decoder, prompt width bucket, max_tokens, sampling
-settings: a `Key`) share a running batch of `max_batch` slots (`driver.Slots`). Between chunks
-of loop steps, finished, stopped and cancelled rows leave and pending requests of the key join
-the free slots at once (their prefill is spliced into the running state). A key with no running
-batch starts one when `max_batch` requests wait or the first has waited `max_wait_ms`. Batches
-of different keys take turns, one chunk each, so no request waits for another batch to end.
+Each served decoder has a lane: an `Engine` resolved once at start (`decode.plan.resolve`:
+its plan takes any prompt and budget the model's positions allow), one running batch of
+`max_batch` rows, and the requests in them. Between chunks of loop steps, finished and
+cancelled rows leave (`Engine.evict`) and waiting requests join the free rows at once
+(`Engine.prefill` of just those rows, spliced in by `Engine.insert`). A lane with nothing
+running starts when `max_batch` requests wait or the first has waited `max_wait_ms`. Lanes take
+turns, one chunk each.
 
-Exactness: in `exact` mode (the default) batches are row-mapped (`decode/row_mapped.py`):
-every row computes what a batch of one computes, bit for bit, so a greedy request returns
-`launch.generate`'s tokens whatever shares its batch and whenever it joined. The batch keeps
-`launch.generate`'s prompt width (`mtp.generate` pads to a multiple of 32) and max_tokens,
-hence its KV-cache size: XLA:CPU's attention reductions depend on that size too. Empty slots
-cost nothing there (skipped under `lax.cond`), so each key compiles one batch shape. Without
-`exact`, rows share matmuls (faster for big models; equal up to float ties).
+Every request's settings are data in its row (temperature, top-p, top-k, its token budget, its
+seed and the stop id), so any mix of requests shares one batch, and what the lanes compile at
+start (each decoder's prefill, loop, splice and stop, for one batch shape: `warm`) is all the
+server ever compiles (`engine.compilations()`, exported as `mtp_compilations_total`).
+
+Exactness: in `exact` mode (the default) rows are mapped one by one (`decode/row_mapped.py`):
+every row computes what a batch of one computes, bit for bit (the prefill in fixed chunks and
+the cache's chunked attention make prompt padding and cache size irrelevant), so a greedy
+request returns `launch.generate`'s tokens whatever shares its batch and whenever it joined;
+under `auto`, up to float ties where its batch's step kinds differ from a batch of one's. A
+sampled request's tokens follow from its prompt, settings and seed (`decode/settings.py`).
+Without `exact`, rows share matmuls (faster for big models; equal up to float ties).
 
 Results go back to the event loop through `Job.emit` (thread-safe).
 """
@@ -22,23 +28,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from mtp.decode import decoders
-from mtp.decode import driver
-from mtp.decode import request as request_lib
+from mtp.decode import decoders as decoders_lib
+from mtp.decode import plan as plan_lib
+from mtp.decode import settings as settings_lib
 from mtp.decode import streaming
 from mtp.serving import schemas
 
-PROMPT_WIDTH_MULTIPLE = 32  # As mtp.generate: the same buckets give the same compiled shapes.
-Key = tuple  # (decoder, width, max_tokens, temperature, top_p)
+# Prompts that `auto` times its break-evens on at start: a typical context, not the longest.
+_CALIBRATION_TOKENS = 256
 
 
 class QueueFull(Exception):
@@ -49,13 +55,16 @@ class QueueFull(Exception):
 class Event:
   """What the decode thread tells a request.
 
-  kind: 'delta' (text and the tokens of one chunk, with the step's numbers), 'done' (finish
-  reason and usage) or 'error' (status and message).
+  kind: 'delta' (text and the tokens of one chunk, with the step's numbers and, when asked,
+  their logprobs), 'done' (finish reason and usage) or 'error' (status and message). index:
+  the choice it belongs to (n > 1).
   """
   kind: str
+  index: int = 0
   text: str = ''
   tokens: tuple[int, ...] = ()
   step: int = 0
+  logprobs: dict | None = None
   finish_reason: str | None = None
   usage: dict | None = None
   all_tokens: tuple[int, ...] = ()
@@ -65,21 +74,34 @@ class Event:
 
 @dataclasses.dataclass
 class Job:
-  """One request inside the batcher."""
+  """One row of a request inside the batcher (a request with n > 1 is n jobs).
+
+  Attributes:
+    ids: the prompt's token ids.
+    options: what the request asked.
+    emit: called with each `Event` (from the decode thread).
+    prompt: the prompt's text.
+    index: the choice this row makes (0 .. n - 1): its seed is folded with it.
+    seed: the request's seed (drawn by the app when the request gave none).
+  """
   ids: list[int]
-  sampling: schemas.Sampling
+  options: schemas.Options
   emit: Callable[[Event], None]
   prompt: str = ''
+  index: int = 0
+  seed: int = 0
   arrived: float = dataclasses.field(default_factory=time.perf_counter)
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-  @property
-  def width(self) -> int:
-    return -(-len(self.ids) // PROMPT_WIDTH_MULTIPLE) * PROMPT_WIDTH_MULTIPLE
+
+def fresh_seed() -> int:
+  """A seed for a request that gave none."""
+  return secrets.randbits(63)
 
 
 class _StopText:
-  """Stop sequences over streamed text: holds back what could still become one."""
+  """Stop sequences over streamed text: holds back what could still become one, across chunk
+  boundaries."""
 
   def __init__(self, stops: tuple[str, ...]):
     self.stops, self.text, self.sent = stops, '', 0
@@ -100,31 +122,30 @@ class _StopText:
 
 
 class _Row:
-  """A job's decoding progress within its batch."""
+  """A job's progress within its lane."""
 
   def __init__(self, job: Job, tokenizer):
     self.job = job
     self.stream = streaming.TextStream(tokenizer)
-    self.stop = _StopText(job.sampling.stop)
+    self.stop = _StopText(job.options.stop)
     self.count = 0  # Tokens consumed so far.
+    self.text_length = 0  # Characters sent (the text offset of the next logprobs).
     self.finished = False
     self.first_token_at = None
 
 
-class _Batch:
-  """A running slot batch of one key: rows join free slots and leave between chunks."""
+class _Lane:
+  """One decoder's engine, its running batch and its waiting jobs."""
 
-  def __init__(self, key: Key, slots, size: int):
-    self.key, self.slots = key, slots
+  def __init__(self, decoder: str, engine, size: int):
+    self.decoder, self.engine = decoder, engine
+    self.state = None
     self.rows: list[_Row | None] = [None] * size
+    self.pending: collections.deque[Job] = collections.deque()
 
   @property
   def live(self) -> list[_Row]:
-    return [r for r in self.rows if r is not None]
-
-  @property
-  def jobs(self) -> list[Job]:
-    return [r.job for r in self.live]
+    return [r for r in self.rows if r is not None and not r.finished]
 
   def free(self) -> list[int]:
     # A finished row's slot is free at once: joining overwrites the whole row.
@@ -132,44 +153,54 @@ class _Batch:
 
 
 class Batcher:
-  """Owns the decode thread; `submit` is called from the event loop."""
+  """Owns the decode thread; `submit` is called from the event loop.
 
-  def __init__(self, loaded, *, max_batch: int = 8, max_wait_ms: float = 10.0,
-               max_queue: int = 256, exact: bool = True, steps_per_chunk: int | None = None,
-               metrics=None, tree=None, tree_budget: int = 0):
-    """`tree` and `tree_budget`: the drafting decoders' block, as `api.resolve_tree` returns
-    it (a static tree or None for a chain, or a dynamic tree's superset and budget)."""
+  Args:
+    loaded: the `LoadedModel` to serve.
+    decoders: the decoders requests may name (each a lane).
+    max_batch: rows per lane.
+    max_wait_ms: how long a lane with nothing running waits for company.
+    max_queue: jobs waiting at most (more: `QueueFull`).
+    exact: rows mapped one by one (see the module docstring).
+    steps_per_chunk: loop steps between host round trips for batches no row of which streams
+      (None: the decoder's default); streaming rows get one step per chunk.
+    tree, tree_budget: the drafting decoders' heads' tree (`plan.resolve`'s options).
+    max_logprobs: alternatives per token a request may ask for (-1: no logprobs at all).
+  """
+
+  def __init__(self, loaded, *, decoders: Sequence[str] = (decoders_lib.DEFAULT,),
+               max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
+               exact: bool = True, steps_per_chunk: int | None = None, metrics=None,
+               tree=None, tree_budget: int | None = None,
+               max_logprobs: int = schemas.MAX_LOGPROBS):
     self.loaded = loaded
-    self.tree, self.tree_budget = tree, int(tree_budget or 0)
-    if tree is not None or self.tree_budget:  # A bad block fails here, not in every request.
-      request_lib.make_request(loaded.model.cfg, PROMPT_WIDTH_MULTIPLE, max_new_tokens=1,
-                               decoder='speculative', tree=tree, tree_budget=self.tree_budget)
     self.tokenizer = loaded.tokenizer
     self.model_cfg = loaded.model.cfg
-    self.prepared = loaded.prepared()
+    self.decoders = tuple(decoders)
     self.max_batch, self.max_wait = int(max_batch), max_wait_ms / 1000
     self.max_queue, self.exact = int(max_queue), exact
     self.steps_per_chunk = steps_per_chunk
     self.metrics = metrics
+    self.max_logprobs = int(max_logprobs)
+    trunk = self.model_cfg.trunk
+    self.max_tokens = trunk.max_seq_len - 1  # Any budget the model's positions allow.
+    self.prompt_width = plan_lib.padded_width(trunk.max_seq_len - 1)
+    self._options = dict(tree=tree, tree_budget=tree_budget)
     self.fault: Callable[[list[Job]], None] | None = None  # Tests inject failures here.
     self.warm = threading.Event()
+    self.compiled: list[str] = []  # What warm-up compiled, for the log and /health.
     self._intake: queue.Queue[Job] = queue.Queue()
-    self._pending: dict[Key, collections.deque[Job]] = collections.defaultdict(
-        collections.deque)
-    self._active: list[_Batch] = []
-    self._requests: dict[Key, request_lib.DecodeRequest] = {}
+    self._lanes: dict[str, _Lane] = {}
     self._waiting = 0
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, name='mtp-decode', daemon=True)
-    self._warmup: list[tuple[str, int]] = []
-    self._seeds = itertools.count()
+    self.startup_error: Exception | None = None
 
   # ---------------------------------------------------------------- event-loop side
 
-  def start(self, warmup: list[tuple[str, int]] = ()) -> None:
-    """Starts the thread; it first compiles (decoder, max_tokens) at the first prompt width."""
-    self._warmup = list(warmup)
+  def start(self) -> None:
+    """Starts the thread: it resolves and compiles every lane, then serves."""
     self._thread.start()
 
   def close(self) -> None:
@@ -178,27 +209,38 @@ class Batcher:
 
   @property
   def queue_depth(self) -> int:
-    """Requests waiting for a batch."""
+    """Jobs waiting for a row."""
     return self._waiting
 
   @property
   def active_rows(self) -> int:
-    return sum(len(b.jobs) for b in list(self._active))
+    return sum(len(lane.live) for lane in list(self._lanes.values()))
 
-  def check(self, ids: list[int], sampling: schemas.Sampling) -> None:
-    """RequestError (400) for a prompt the model cannot take, before it is queued."""
-    cfg = self.model_cfg.trunk
+  def check(self, ids: list[int], options: schemas.Options) -> None:
+    """RequestError (400) naming the field of a request the model cannot take, before it is
+    queued."""
+    trunk = self.model_cfg.trunk
     if not ids:
       raise schemas.RequestError('the prompt encodes to no tokens', param='prompt')
+    room = trunk.max_seq_len - len(ids)
+    if room < 1:
+      raise schemas.RequestError(f'the prompt is {len(ids)} tokens: it leaves no room for a '
+                                 f'completion in the model\'s {trunk.max_seq_len} positions',
+                                 param='prompt')
+    if options.max_tokens > room:
+      raise schemas.RequestError(
+          f'max_tokens {options.max_tokens} exceeds the room the prompt leaves: {len(ids)} '
+          f'prompt tokens + max_tokens must be at most max_seq_len={trunk.max_seq_len}',
+          param='max_tokens')
+    if options.logprobs is not None and options.logprobs > self.max_logprobs:
+      raise schemas.RequestError(f'logprobs asks for {options.logprobs} alternatives; this '
+                                 f'server gives at most {max(self.max_logprobs, 0)}',
+                                 param='logprobs')
     try:
-      request_lib.check_prompts(np.asarray([ids]), None, max_new_tokens=sampling.max_tokens,
-                                vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
-                                eos_id=self.tokenizer.eos_id)
-      self._request(self._key(Job(ids, sampling, emit=lambda e: None)))
+      self._sampling(Job(ids, options, emit=lambda e: None)).check(trunk.vocab_size)
     except ValueError as e:
-      raise schemas.RequestError(str(e).replace('prompt 0 is the longest', 'the prompt'),
-                                 param='max_tokens' if 'max_new_tokens' in str(e) else None
-                                 ) from None
+      param = next((f for f in ('top_k', 'top_p', 'temperature', 'seed') if f in str(e)), None)
+      raise schemas.RequestError(str(e), param=param) from None
 
   def submit(self, job: Job) -> None:
     with self._lock:
@@ -209,234 +251,225 @@ class Batcher:
 
   # ---------------------------------------------------------------- decode thread
 
-  def _key(self, job: Job) -> Key:
-    s = job.sampling
-    return (s.decoder, job.width, s.max_tokens, s.temperature, s.top_p)
-
-  def _request(self, key: Key) -> request_lib.DecodeRequest:
-    if key not in self._requests:
-      decoder, width, max_tokens, temperature, top_p = key
-      tok = self.tokenizer
-      banned = () if tok.pad_id in (None, tok.eos_id) else (tok.pad_id,)
-      drafts = decoders.get(decoder).drafts
-      self._requests[key] = request_lib.make_request(
-          self.model_cfg, width, max_new_tokens=max_tokens, decoder=decoder,
-          tree=self.tree if drafts else None, tree_budget=self.tree_budget if drafts else 0,
-          temperature=temperature, top_p=top_p, row_mapped=self.exact,
-          vocab_limit=min(tok.vocab_size, self.model_cfg.trunk.vocab_size), banned_ids=banned)
-    return self._requests[key]
+  def _sampling(self, job: Job) -> settings_lib.Sampling:
+    o = job.options
+    eos = self.tokenizer.eos_id
+    return settings_lib.Sampling(max_tokens=o.max_tokens, temperature=o.temperature,
+                                 top_k=o.top_k, top_p=o.top_p, seed=job.seed,
+                                 stop_ids=() if eos is None else (eos,))
 
   def _loop(self) -> None:
     try:
-      self._compile_ahead()
-    except Exception:  # noqa: BLE001  Warm-up is an optimization: serve anyway.
+      self._warm_up()
+    except Exception as e:  # noqa: BLE001  Without its lanes the server cannot decode.
       logging.exception('warm-up failed')
+      self.startup_error = e
     self.warm.set()
     while not self._stop.is_set():
-      self._take_arrivals(block=not self._active and not any(self._pending.values()))
-      self._admit()
-      for batch in list(self._active):
-        self._advance(batch)
+      idle = not any(lane.live or lane.pending for lane in self._lanes.values())
+      self._take_arrivals(block=idle)
+      for lane in list(self._lanes.values()):
+        self._admit(lane)
+        self._advance(lane)
 
-  def _compile_ahead(self) -> None:
-    """Compiles a key's prefill, splice and loop: a batch of one short prompt, two chunks."""
-    for decoder, max_tokens in self._warmup:
-      sampling = schemas.Sampling(max_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=None,
-                                  stop=(), decoder=decoder, stream=False)
-      job = Job([self.tokenizer.bos_id], sampling, emit=lambda e: None)
-      slots = self._slots(self._key(job))
-      prompts, lengths, rows = self._layout([job], [0], job.width)
-      slots.join(prompts, lengths, rows)
-      slots.run(1)
-      slots.join(prompts, lengths, rows)
-      slots.run(1)
-      slots.result()
+  def _warm_up(self) -> None:
+    """Resolves every lane's engine and compiles all it will run: a prefill, a splice, a loop
+    step, a stop."""
+    trunk = self.model_cfg.trunk
+    width = min(_CALIBRATION_TOKENS, trunk.max_seq_len // 2)
+    calibration = (np.random.default_rng(0).integers(
+        0, self.tokenizer.vocab_size, (self.max_batch, width), np.int32),
+                   np.full((self.max_batch,), width, np.int32))
+    for decoder in self.decoders:
+      engine = plan_lib.resolve(
+          self.loaded, decoder, max_new_tokens=self.max_tokens, prompt_width=self.prompt_width,
+          # Exact rows decode as batches of one: trees sized for that.
+          batch_size=1 if self.exact else self.max_batch, exact=self.exact,
+          logprobs=self.max_logprobs, calibration=calibration,
+          **(self._options if decoders_lib.get(decoder).drafts else {}))
+      lane = _Lane(decoder, engine, self.max_batch)
+      job = Job([self.tokenizer.bos_id or 0], schemas.Options(max_tokens=2, decoder=decoder),
+                emit=lambda e: None)
+      prompts, lengths, settings, rows = self._layout(lane, [job], [0])
+      fresh = engine.prefill(prompts, lengths, settings, rows)
+      state = engine.insert(engine.prefill(prompts, lengths, settings, rows), fresh, rows)
+      state = engine.evict(engine.step(state, 1), rows)
+      engine.result(state)
+      self._lanes[decoder] = lane
+      self.compiled.append(f'{decoder}: batch {self.max_batch}, prompts up to '
+                           f'{self.prompt_width} tokens, budgets up to {self.max_tokens}')
+    logging.info('compiled %s', '; '.join(self.compiled))
 
   def _take_arrivals(self, block: bool) -> None:
-    """Moves arrived jobs to their key's queue; blocks (briefly) when there is nothing to do."""
+    """Moves arrived jobs to their lane; blocks (briefly) when there is nothing to do."""
     try:
       job = self._intake.get(timeout=0.1) if block else self._intake.get_nowait()
     except queue.Empty:
       return
     while True:
-      self._pending[self._key(job)].append(job)
+      lane = self._lanes.get(job.options.decoder)
+      if lane is None:
+        self._dequeued(1)
+        self._fail([job], RuntimeError(self.startup_error or
+                                       f'the decoder {job.options.decoder} is not served'))
+      else:
+        lane.pending.append(job)
       try:
         job = self._intake.get_nowait()
       except queue.Empty:
         return
 
-  def _admit(self) -> None:
-    """Pending jobs join a running batch of their key at once; else, after waiting at most
-    max_wait_ms for company, they start a new one."""
-    for key, jobs in list(self._pending.items()):
-      for batch in [b for b in self._active if b.key == key]:
-        if jobs and batch.free():
-          self._join(batch, self._take(jobs, len(batch.free())))
-      if not jobs:
-        continue
-      waited = time.perf_counter() - jobs[0].arrived
-      if len(jobs) < self.max_batch and waited < self.max_wait:
-        if self._active:
-          continue  # Others decode meanwhile; look again after their next chunk.
-        time.sleep(self.max_wait - waited)  # Nothing runs: wait out max_wait_ms for company.
+  def _admit(self, lane: _Lane) -> None:
+    """Waiting jobs join free rows at once; a lane with nothing running first waits at most
+    max_wait_ms for company."""
+    if not lane.pending or not lane.free():
+      return
+    if not lane.live and len(lane.pending) < self.max_batch:
+      waited = time.perf_counter() - lane.pending[0].arrived
+      if waited < self.max_wait:
+        if any(other.live for other in self._lanes.values()):
+          return  # Others decode meanwhile; look again after their next chunk.
+        time.sleep(self.max_wait - waited)
         self._take_arrivals(block=False)
-      while jobs:
-        try:
-          batch = _Batch(key, self._slots(key), self._size(key))
-        except Exception as e:  # noqa: BLE001
-          self._fail(self._take(jobs, len(jobs)), e)
-          break
-        self._active.append(batch)
-        self._join(batch, self._take(jobs, self.max_batch))
+    slots = lane.free()
+    jobs = []
+    while lane.pending and len(jobs) < len(slots):
+      job = lane.pending.popleft()
+      self._dequeued(1)
+      if job.cancelled.is_set():
+        self._count(cancelled=1)
+      else:
+        jobs.append(job)
+    if jobs:
+      self._join(lane, jobs, slots[:len(jobs)])
 
-  def _take(self, jobs: collections.deque, n: int) -> list[Job]:
-    taken = [jobs.popleft() for _ in range(min(n, len(jobs)))]
+  def _dequeued(self, n: int) -> None:
     with self._lock:
-      self._waiting -= len(taken)
-    live = [j for j in taken if not j.cancelled.is_set()]
-    self._count(cancelled=len(taken) - len(live))
-    return live
+      self._waiting -= n
 
-  def _size(self, key: Key) -> int:
-    return self.max_batch
-
-  def _slots(self, key: Key):
-    seed = next(self._seeds) + 1
-    return driver.Slots(self.prepared, self._request(key), self._size(key), rng=seed,
-                        eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
-
-  def _layout(self, jobs: list[Job], slots: list[int], width: int):
-    """Prompts [B, width], lengths and the rows joined; other rows copy a joined one."""
-    size = self.max_batch
-    prompts = np.full((size, width), self.tokenizer.pad_id, np.int32)
-    lengths = np.full(size, len(jobs[0].ids), np.int32)
-    prompts[:, :len(jobs[0].ids)] = jobs[0].ids
+  def _layout(self, lane: _Lane, jobs: list[Job], slots: list[int]):
+    """Prompts [B, W], lengths, settings and the rows joined; other rows hold a filler."""
+    size, width = self.max_batch, self.prompt_width
+    prompts = np.full((size, width), self.tokenizer.pad_id or 0, np.int32)
+    lengths = np.ones(size, np.int32)
+    samplings = [settings_lib.Sampling(max_tokens=1)] * size
+    indices = [0] * size
     rows = np.zeros(size, bool)
     for slot, job in zip(slots, jobs):
-      prompts[slot] = self.tokenizer.pad_id
       prompts[slot, :len(job.ids)] = job.ids
       lengths[slot], rows[slot] = len(job.ids), True
-    return prompts, lengths, rows
+      samplings[slot], indices[slot] = self._sampling(job), job.index
+    return prompts, lengths, lane.engine.settings(samplings, indices), rows
 
-  def _join(self, batch: _Batch, jobs: list[Job]) -> None:
-    """Prefills jobs into free slots of `batch`; their first tokens go out at once."""
-    if not jobs:
-      return
-    slots = batch.free()[:len(jobs)]
+  def _join(self, lane: _Lane, jobs: list[Job], slots: list[int]) -> None:
+    """Prefills jobs into free rows of `lane`; their first tokens go out at once."""
     try:
       if self.fault is not None:
         self.fault(jobs)
-      prompts, lengths, rows = self._layout(jobs, slots, batch.key[1])
-      batch.slots.join(prompts, lengths, rows)
+      prompts, lengths, settings, rows = self._layout(lane, jobs, slots)
+      engine = lane.engine
+      fresh = engine.prefill(prompts, lengths, settings, rows)
+      lane.state = engine.insert(lane.state, fresh, rows)
       for slot, job in zip(slots, jobs):
-        batch.rows[slot] = _Row(job, self.tokenizer)
+        lane.rows[slot] = _Row(job, self.tokenizer)
       self._count(batches=1, batch_rows=len(jobs), prompt_tokens=sum(len(j.ids) for j in jobs))
-      self._emit(batch, batch.slots.result())
+      self._emit(lane, engine.result(lane.state, self.tokenizer.pad_id or 0))
     except Exception as e:  # noqa: BLE001  These requests fail, not the server.
       for slot, job in zip(slots, jobs):
-        if batch.rows[slot] is not None and batch.rows[slot].job is job:
-          batch.rows[slot] = None
-      self._fail([j for j in jobs], e)
-      self._drop_if_idle(batch)
+        if lane.rows[slot] is not None and lane.rows[slot].job is job:
+          lane.rows[slot] = None
+      self._fail(jobs, e)
 
-  def _stopped(self, batch: _Batch) -> np.ndarray:
+  def _stopped(self, lane: _Lane) -> np.ndarray:
     """[B] rows to stop: free slots, finished rows, rows whose client left (freed now)."""
-    mask = np.zeros(len(batch.rows), bool)
-    for i, row in enumerate(batch.rows):
+    mask = np.zeros(len(lane.rows), bool)
+    for i, row in enumerate(lane.rows):
       if row is not None and row.job.cancelled.is_set() and not row.finished:
         row.finished = True
         self._count(cancelled=1)
       if row is None or row.finished:
-        batch.rows[i] = None
+        lane.rows[i] = None
         mask[i] = True
     return mask
 
-  def _advance(self, batch: _Batch) -> None:
-    """One chunk of `batch`: its rows' new tokens go out; finished rows leave."""
+  def _advance(self, lane: _Lane) -> None:
+    """One chunk of `lane`: its rows' new tokens go out; finished rows leave."""
+    if lane.state is None:
+      return
     try:
-      batch.slots.stop(self._stopped(batch))
-      if not batch.live:
-        self._drop_if_idle(batch)
+      lane.state = lane.engine.evict(lane.state, self._stopped(lane))
+      if not lane.live:
         return
+      jobs = [r.job for r in lane.live]
       if self.fault is not None:
-        self.fault(batch.jobs)
+        self.fault(jobs)
       # Streams show every verification step: one step per chunk while a row streams.
-      steps = 1 if any(j.sampling.stream for j in batch.jobs) else \
-          request_lib.steps_per_chunk(self.steps_per_chunk, batch.key[0])
-      batch.slots.run(steps)
-      self._emit(batch, batch.slots.result())
+      steps = 1 if any(j.options.stream for j in jobs) else (
+          self.steps_per_chunk or decoders_lib.get(lane.decoder).steps_per_chunk)
+      lane.state = lane.engine.step(lane.state, steps)
+      self._emit(lane, lane.engine.result(lane.state, self.tokenizer.pad_id or 0))
     except Exception as e:  # noqa: BLE001  One batch fails, not the server.
-      self._active.remove(batch)
-      self._fail([r.job for r in batch.live if not r.finished], e)
+      failed = [r.job for r in lane.live]
+      lane.state, lane.rows = None, [None] * self.max_batch
+      self._fail(failed, e)
 
-  def _drop_if_idle(self, batch: _Batch) -> None:
-    if not batch.live and batch in self._active:
-      self._active.remove(batch)  # Its state goes; a later request starts a fresh batch.
-
-  def _emit(self, batch: _Batch, result) -> None:
-    done = _finished(result, batch.key[2], self.tokenizer.eos_id)
-    for i, row in enumerate(batch.rows):
+  def _emit(self, lane: _Lane, result) -> None:
+    for i, row in enumerate(lane.rows):
       if row is not None and not row.finished:
-        self._emit_row(row, result, i, bool(done[i]), batch.key[2])
+        self._emit_row(row, result, i)
 
-  def _emit_row(self, row: _Row, result, i: int, done: bool, max_tokens: int) -> None:
+  def _emit_row(self, row: _Row, result, i: int) -> None:
     count = int(result.num_generated[i])
     new = [int(t) for t in result.tokens[i, row.count:count]]
+    first = row.count
     row.count = count
+    done = bool(result.done[i])
     if new and row.first_token_at is None:
       row.first_token_at = time.perf_counter()
     text = row.stream.push(new) if new else ''
     if done:
       text += row.stream.flush()
     text, stopped = row.stop.push(text, final=done)
-    step = int(result.num_steps[i])
     self._count(completion_tokens=len(new))
+    job = row.job
     if text or new:
-      row.job.emit(Event('delta', text=text, tokens=tuple(new), step=step))
+      logprobs = None
+      if job.options.logprobs is not None and new:
+        k = job.options.logprobs
+        logprobs = schemas.logprobs_body(
+            self.tokenizer, new, result.logprobs[i, first:count],
+            result.top_ids[i, first:count, :k], result.top_logprobs[i, first:count, :k],
+            chat=job.options.chat, offset=row.text_length)
+      row.text_length += len(text)
+      job.emit(Event('delta', index=job.index, text=text, tokens=tuple(new),
+                     step=int(result.num_steps[i]), logprobs=logprobs))
     if stopped or done:
-      tokens = [int(t) for t in result.tokens[i, :count]]
-      eos = bool(tokens) and tokens[-1] == self.tokenizer.eos_id
-      self._finish(row, result, 'stop' if (stopped or eos) else 'length', i)
+      reason = 'stop' if stopped else result.finish_reason(i)
+      self._finish(row, result, reason, i)
 
-  def _finish(self, row: _Row, result, reason: str, i: int | None = None) -> None:
+  def _finish(self, row: _Row, result, reason: str, i: int) -> None:
     row.finished = True
     job = row.job
-    tokens, steps, per_step = (), 0, 0.0
-    if result is not None:
-      count = int(result.num_generated[i])
-      tokens = tuple(int(t) for t in result.tokens[i, :count])
-      steps = int(result.num_steps[i])
-      per_step = float(np.asarray(result.mean_accepted)[i])
+    count = int(result.num_generated[i])
+    tokens = tuple(int(t) for t in result.tokens[i, :count])
+    steps = int(result.num_steps[i])
     self._count(verification_steps=steps)
-    usage = schemas.usage(len(job.ids), len(tokens), steps, per_step)
+    usage = schemas.usage(len(job.ids), len(tokens), steps,
+                          float(np.asarray(result.mean_accepted)[i]))
     if self.metrics is not None:
       self.metrics.observe_latency(
           time.perf_counter() - job.arrived,
           None if row.first_token_at is None else row.first_token_at - job.arrived)
-    job.emit(Event('done', finish_reason=reason, usage=usage, all_tokens=tokens))
+    job.emit(Event('done', index=job.index, finish_reason=reason, usage=usage,
+                   all_tokens=tokens))
 
   def _fail(self, jobs: list[Job], error: Exception) -> None:
     logging.exception('a decode batch failed: %s', error)
     self._count(batch_failures=1)
     for job in jobs:
-      job.emit(Event('error', status=500,
+      job.emit(Event('error', index=job.index, status=500,
                      message=f'the decode batch of this request failed: {error}'))
 
   def _count(self, **counts) -> None:
     if self.metrics is not None:
       self.metrics.add(**counts)
-
-
-def _finished(result, max_tokens: int, eos_id: int) -> np.ndarray:
-  """[B] rows that ended: max_tokens reached, or EOS last."""
-  counts = np.asarray(result.num_generated)
-  last = np.asarray(result.tokens)[np.arange(len(counts)), np.maximum(counts - 1, 0)]
-  return (counts >= max_tokens) | ((counts > 0) & (last == eos_id))
-
-
-def _bucket(n: int, limit: int) -> int:
-  """The smallest power of two >= n (capped at `limit`): a bounded set of batch shapes."""
-  size = 1
-  while size < n:
-    size *= 2
-  return min(size, limit)

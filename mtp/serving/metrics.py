@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from typing import Callable
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -21,6 +22,8 @@ class Metrics:
     self.first_token = [0] * (len(LATENCY_BUCKETS) + 1)
     self.first_token_sum = 0.0
     self.gauges = dict(queue_depth=lambda: 0, active_rows=lambda: 0, warm=lambda: 0)
+    # Counters kept elsewhere: name -> (help, a function reading it).
+    self.external: dict[str, tuple[str, Callable[[], int]]] = {}
 
   def request(self, endpoint: str, status: int) -> None:
     with self._lock:
@@ -56,7 +59,10 @@ class Metrics:
                    batch_rows='Requests put into batches.',
                    batch_failures='Failed prefills or chunks (their requests got 500).',
                    cancelled='Requests whose client left before the end.')
-      for name, value in self.counters.items():
+      counters = dict(self.counters)
+      for name, (what, read) in self.external.items():
+        help_[name], counters[name] = what, read()
+      for name, value in counters.items():
         lines += [f'# HELP mtp_{name}_total {help_[name]}', f'# TYPE mtp_{name}_total counter',
                   f'mtp_{name}_total {value}']
       steps = self.counters['verification_steps']

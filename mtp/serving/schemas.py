@@ -14,6 +14,7 @@ import time
 import uuid
 
 MAX_STOP_SEQUENCES = 4
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs.
 
 
 class RequestError(Exception):
@@ -34,15 +35,38 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
-  """What a request asks of the decoder (prompt aside)."""
+class Options:
+  """What a request asks of the decoder (its prompt aside).
+
+  Attributes:
+    max_tokens, temperature, top_p, top_k: as OpenAI's (top_k, 0 = off, is an extension).
+    seed: the request's seed; None: a fresh one (`batcher` draws it).
+    stop: stop strings (the text is cut before the first).
+    decoder: this server's decoder to use (an extension).
+    stream: server-sent events.
+    n: completions of the prompt (rows of the request).
+    logprobs: per token, the chosen token's log-probability and this many alternatives'
+      (0: none but the chosen's); None: no log-probabilities.
+    chat: a chat completion (its logprobs take chat's shape).
+  """
   max_tokens: int
-  temperature: float
-  top_p: float
-  seed: int | None
-  stop: tuple[str, ...]
-  decoder: str
-  stream: bool
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int | None = None
+  stop: tuple[str, ...] = ()
+  decoder: str = 'auto'
+  stream: bool = False
+  n: int = 1
+  logprobs: int | None = None
+  chat: bool = False
+
+
+# Fields the server refuses (400, named) unless they hold their no-op value: accepting them
+# silently would return something other than what the client asked for.
+_UNSUPPORTED = {'presence_penalty': 0, 'frequency_penalty': 0, 'repetition_penalty': 1,
+                'logit_bias': None, 'echo': False, 'suffix': None, 'best_of': None,
+                'tools': None, 'functions': None}
 
 
 def parse_json(raw: bytes) -> dict:
@@ -50,19 +74,23 @@ def parse_json(raw: bytes) -> dict:
     body = json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise RequestError(f'the request body is not valid JSON: {e}') from None
+  except (ValueError, RecursionError) as e:  # A huge integer literal, deep nesting.
+    raise RequestError(f'the request body cannot be read: {e}') from None
   if not isinstance(body, dict):
     raise RequestError(f'the request body must be a JSON object, got {type(body).__name__}')
   return body
 
 
-def _int(body, name, default, low=None):
+def _int(body, name, default, low=None, high=None):
   value = body.get(name, default)
   if value is None:
     return default
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise RequestError(f'{name} must be an integer, got {json.dumps(value)}', param=name)
+    raise RequestError(f'{name} must be an integer, got {_show(value)}', param=name)
   if low is not None and value < low:
     raise RequestError(f'{name} must be >= {low}, got {value}', param=name)
+  if high is not None and value > high:
+    raise RequestError(f'{name} must be <= {high}, got {value}', param=name)
   return int(value)
 
 
@@ -71,32 +99,42 @@ def _float(body, name, default, low, high, low_open=False):
   if value is None:
     return default
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise RequestError(f'{name} must be a number, got {json.dumps(value)}', param=name)
+    raise RequestError(f'{name} must be a number, got {_show(value)}', param=name)
   if value != value or value > high or value < low or (low_open and value == low):
     bracket = '(' if low_open else '['
     raise RequestError(f'{name} must be in {bracket}{low}, {high}], got {value}', param=name)
   return float(value)
 
 
-def sampling(body: dict, *, default_max_tokens: int, decoders: tuple[str, ...],
-             default_decoder: str) -> Sampling:
-  """The decoding fields of a completion or chat body, checked."""
+def _show(value) -> str:
+  """A value for an error message, kept short."""
+  text = json.dumps(value)
+  return text if len(text) <= 60 else text[:57] + '...'
+
+
+def options(body: dict, *, default_max_tokens: int, decoders: tuple[str, ...],
+            default_decoder: str, chat: bool = False, max_n: int = 1) -> Options:
+  """The decoding fields of a completion or chat body, checked (400s name the field)."""
+  for name, neutral in _UNSUPPORTED.items():
+    value = body.get(name)
+    if value is not None and value != neutral and not (name == 'best_of' and value == 1):
+      raise RequestError(f'{name} is not supported by this server (got {_show(value)})',
+                         param=name)
   n = _int(body, 'n', 1, low=1)
-  if n != 1:
-    raise RequestError('n must be 1: one completion per request', param='n')
+  if n > max_n:
+    raise RequestError(f'n must be at most {max_n} (the server\'s batch), got {n}', param='n')
   stream = body.get('stream', False)
   if stream is None:
     stream = False
   if not isinstance(stream, bool):
-    raise RequestError(f'stream must be a boolean, got {json.dumps(stream)}', param='stream')
+    raise RequestError(f'stream must be a boolean, got {_show(stream)}', param='stream')
   max_tokens = body.get('max_tokens', body.get('max_completion_tokens'))
   max_tokens = _int({'max_tokens': max_tokens}, 'max_tokens', default_max_tokens, low=1)
   # Greedy unless asked (OpenAI's default is 1): greedy is what the server promises exact.
   temperature = _float(body, 'temperature', 0.0, 0.0, 2.0)
   top_p = _float(body, 'top_p', 1.0, 0.0, 1.0, low_open=True)
-  seed = body.get('seed')
-  if seed is not None:
-    seed = _int(body, 'seed', None)
+  top_k = _int(body, 'top_k', 0, low=0)
+  seed = _int(body, 'seed', None)
   stop = body.get('stop')
   if stop is None:
     stop = ()
@@ -109,12 +147,23 @@ def sampling(body: dict, *, default_max_tokens: int, decoders: tuple[str, ...],
   if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):
     raise RequestError(f'stop takes at most {MAX_STOP_SEQUENCES} non-empty strings',
                        param='stop')
+  if chat:
+    wants = body.get('logprobs', False)
+    if wants is not None and not isinstance(wants, bool):
+      raise RequestError(f'logprobs must be a boolean, got {_show(wants)}', param='logprobs')
+    top = _int(body, 'top_logprobs', None, low=0, high=MAX_LOGPROBS)
+    if top is not None and not wants:
+      raise RequestError('top_logprobs needs logprobs: true', param='top_logprobs')
+    logprobs = (top or 0) if wants else None
+  else:
+    logprobs = _int(body, 'logprobs', None, low=0, high=MAX_LOGPROBS)
   decoder = body.get('decoder', default_decoder)  # Not OpenAI's: this server's choice.
   if decoder not in decoders:
     raise RequestError(f'decoder must be one of {", ".join(decoders)}, got '
-                       f'{json.dumps(decoder)}', param='decoder')
-  return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                  stop=stop, decoder=decoder, stream=stream)
+                       f'{_show(decoder)}', param='decoder')
+  return Options(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                 seed=seed, stop=stop, decoder=decoder, stream=stream, n=n, logprobs=logprobs,
+                 chat=chat)
 
 
 def prompt(body: dict) -> str:
@@ -126,6 +175,16 @@ def prompt(body: dict) -> str:
     raise RequestError('prompt must be a string (one prompt per request)', param='prompt')
   if not value:
     raise RequestError('prompt is empty: give at least one character', param='prompt')
+  return _text(value, 'prompt')
+
+
+def _text(value: str, param: str) -> str:
+  """`value`, or a 400 when it is not Unicode text (a lone surrogate from a JSON escape)."""
+  try:
+    value.encode('utf-8')
+  except UnicodeEncodeError as e:
+    raise RequestError(f'{param} is not valid Unicode text ({e.reason} at {e.start})',
+                       param=param) from None
   return value
 
 
@@ -151,7 +210,7 @@ def messages(body: dict) -> list[dict]:
       content = ''
     if not isinstance(content, str):
       raise RequestError(f'messages[{i}].content must be a string', param='messages')
-    out.append({**message, 'content': content})
+    out.append({**message, 'content': _text(content, 'messages')})
   return out
 
 
@@ -167,22 +226,49 @@ def usage(prompt_tokens: int, completion_tokens: int, num_steps: int,
           'tokens_per_step': round(tokens_per_step, 4)}
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, *,
-                    chat: bool, usage_: dict | None = None, extra: dict | None = None,
+def completion_body(rid: str, model: str, choices: list[dict], *, chat: bool,
+                    usage_: dict | None = None, extra: dict | None = None,
                     chunk: bool = False) -> dict:
-  """A (chat) completion response, or one streamed chunk of it."""
-  if chat:
-    key = 'delta' if chunk else 'message'
-    choice = {'index': 0, key: {'role': 'assistant', 'content': text},
-              'finish_reason': finish_reason, 'logprobs': None}
-    kind = 'chat.completion.chunk' if chunk else 'chat.completion'
-  else:
-    choice = {'index': 0, 'text': text, 'finish_reason': finish_reason, 'logprobs': None}
-    kind = 'text_completion'
+  """A (chat) completion response, or one streamed chunk of it, from `choice` dicts."""
+  kind = ('chat.completion.chunk' if chunk else 'chat.completion') if chat else 'text_completion'
   body = {'id': rid, 'object': kind, 'created': int(time.time()), 'model': model,
-          'choices': [choice]}
+          'choices': choices}
   if usage_ is not None:
     body['usage'] = usage_
   if extra is not None:
     body['mtp'] = extra
   return body
+
+
+def choice(index: int, text: str, finish_reason: str | None, *, chat: bool,
+           chunk: bool = False, logprobs: dict | None = None, role: bool = True) -> dict:
+  """One choice of a response: its text (a chat message or delta), finish reason, logprobs."""
+  if chat:
+    key = 'delta' if chunk else 'message'
+    message = {'role': 'assistant', 'content': text} if role else {'content': text}
+    return {'index': index, key: message, 'finish_reason': finish_reason,
+            'logprobs': logprobs}
+  return {'index': index, 'text': text, 'finish_reason': finish_reason, 'logprobs': logprobs}
+
+
+def logprobs_body(tokenizer, tokens, chosen, top_ids, top_values, *, chat: bool,
+                  offset: int = 0) -> dict | None:
+  """OpenAI's logprobs of some emitted tokens (chat's `content` list, or the completions'
+  parallel lists; `offset`: the text offset of the first token), from the model's
+  log-probabilities (`decode` keeps them: temperature 1, before top-k and top-p)."""
+  texts = [tokenizer.decode([int(t)]) for t in tokens]
+  def alternatives(i):
+    return [(tokenizer.decode([int(t)]), float(v)) for t, v in zip(top_ids[i], top_values[i])]
+  if chat:
+    return {'content': [
+        {'token': text, 'logprob': float(lp), 'bytes': list(text.encode('utf-8')),
+         'top_logprobs': [{'token': t, 'logprob': v, 'bytes': list(t.encode('utf-8'))}
+                          for t, v in alternatives(i)]}
+        for i, (text, lp) in enumerate(zip(texts, chosen))]}
+  offsets, position = [], offset
+  for text in texts:
+    offsets.append(position)
+    position += len(text)
+  return {'tokens': texts, 'token_logprobs': [float(x) for x in chosen],
+          'top_logprobs': [dict(alternatives(i)) for i in range(len(texts))],
+          'text_offset': offsets}

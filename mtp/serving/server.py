@@ -12,25 +12,37 @@ import uvicorn
 from mtp.serving import app as app_lib
 from mtp.serving import batcher as batcher_lib
 from mtp.serving import metrics as metrics_lib
+from mtp.serving import schemas
 
 
-def build(loaded, *, max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
-          exact: bool = True, steps_per_chunk: int | None = None, model_name: str = 'mtp',
-          default_max_tokens: int = 16, decoder: str | None = None,
-          warmup: list[tuple[str, int]] = (), tree=None, tree_budget: int = 0):
-  """(app, batcher) with the batcher's thread started (warm-up runs there, in the background).
+def build(loaded, *, decoders=None, max_batch: int = 8, max_wait_ms: float = 10.0,
+          max_queue: int = 256, exact: bool = True, steps_per_chunk: int | None = None,
+          model_name: str = 'mtp', default_max_tokens: int = 16, tree=None,
+          tree_budget: int | None = None, max_logprobs: int = schemas.MAX_LOGPROBS):
+  """(app, batcher) with the batcher's thread started (its lanes compile there, in the
+  background; /health says when they are warm).
 
-  `tree`, `tree_budget`: the speculative decoder's block (`Batcher`)."""
+  decoders: the decoders served, the first the default (None: `served_decoders`); the other
+  options are the `Batcher`'s."""
+  from mtp.decode import engine  # pylint: disable=import-outside-toplevel  # JAX.
   metrics = metrics_lib.Metrics()
-  batcher = batcher_lib.Batcher(loaded, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                                max_queue=max_queue, exact=exact,
+  metrics.external['compilations'] = ('Decoder programs compiled since start (flat after '
+                                      'warm-up).', engine.compilations)
+  decoders = tuple(decoders or served_decoders(loaded))
+  batcher = batcher_lib.Batcher(loaded, decoders=decoders, max_batch=max_batch,
+                                max_wait_ms=max_wait_ms, max_queue=max_queue, exact=exact,
                                 steps_per_chunk=steps_per_chunk, metrics=metrics, tree=tree,
-                                tree_budget=tree_budget)
-  kwargs = {} if decoder is None else {'default_decoder': decoder}
+                                tree_budget=tree_budget, max_logprobs=max_logprobs)
   app = app_lib.create_app(batcher, model_name=model_name,
-                           default_max_tokens=default_max_tokens, metrics=metrics, **kwargs)
-  batcher.start(warmup)
+                           default_max_tokens=default_max_tokens, metrics=metrics)
+  batcher.start()
   return app, batcher
+
+
+def served_decoders(loaded) -> tuple[str, ...]:
+  """Every registered decoder, the default first (a model without heads drafts by lookup)."""
+  from mtp.decode import decoders  # pylint: disable=import-outside-toplevel
+  return (decoders.DEFAULT,) + tuple(n for n in decoders.NAMES if n != decoders.DEFAULT)
 
 
 def free_socket(host: str = '127.0.0.1', port: int = 0) -> socket.socket:

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from mtp.decode import lookup
+from mtp.decode.drafters import lookup
 
 
 def _propose(rows, ends, length, max_ngram=3):

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp.decode import autoregressive
-from mtp.decode import request as request_lib
-from mtp.decode import speculative
 from mtp.decode import speculative_test as exact_tests
+from mtp.decode import testing as decode_testing
+from mtp.decode import trees
 from mtp.model import heads
 from mtp.model import mtp_model
 from mtp.model import testing
@@ -115,7 +114,8 @@ def decoding():
   model = testing.tiny_model(0, head_type='eagle', mtp_num_heads=K)
   prompts = testing.random_tokens((3, 7), VOCAB, seed=1)
   lengths = np.array([7, 3, 5], np.int32)
-  reference = autoregressive.generate(ar_model, prompts, lengths, max_new_tokens=24)
+  reference = decode_testing.decode(ar_model, prompts, lengths, decoder='autoregressive',
+                                    max_new_tokens=24)
   return model, prompts, lengths, reference
 
 
@@ -124,12 +124,12 @@ def test_greedy_decoding_equals_autoregressive(decoding, tree):
   """Ragged prompts; the drafter's own drafts, then all-right (oracle) and ragged drafts, which
   move the accepted run through the drafter's cache layer at every length."""
   model, prompts, lengths, reference = decoding
-  resolved = request_lib.resolve_tree(K, tree)
+  resolved = trees.static_tree(tree, K)
   hook = exact_tests.ReferenceDrafts(resolved, VOCAB)
   ref = np.asarray(reference.tokens)
   for mode in (exact_tests.MODEL_DRAFTS, exact_tests.ORACLE, exact_tests.RAGGED):
-    out = speculative.generate(model, prompts, lengths, max_new_tokens=24, tree=tree,
-                               draft_hook=hook, hook_data=exact_tests._hook_data(ref, mode))
+    out = decode_testing.decode(model, prompts, lengths, max_new_tokens=24, tree=tree,
+                                draft_hook=hook, hook_data=exact_tests._hook_data(ref, mode))
     np.testing.assert_array_equal(out.tokens, ref)
     np.testing.assert_array_equal(out.num_generated, reference.num_generated)
 
@@ -141,8 +141,8 @@ def test_sampled_generations_follow_the_target_distribution():
   prompt = np.array([1, 5, 2], np.int32)
   prompts = np.broadcast_to(prompt, (exact_tests.ROWS, 3))
   exact = exact_tests._exact_distribution(model, prompt)
-  out = speculative.generate(model, prompts, max_new_tokens=exact_tests.NEW, rng=2,
-                             **exact_tests.SAMPLING)
+  out = decode_testing.decode(model, prompts, max_new_tokens=exact_tests.NEW, seed=2,
+                              **exact_tests.SAMPLING)
   assert exact_tests._chisquare_p(np.asarray(out.tokens), exact) > 1e-3
   assert np.asarray(out.accepted_histogram)[:, 2:].sum() > exact_tests.ROWS // 20
 

@@ -1,0 +1,251 @@
+"""The decode engine: the one door into the decode loop.
+
+An `Engine` holds a model, a decode plan and the plan's data (`plan.resolve` makes one). It
+serves offline calls and a server alike, as JetStream's engine does:
+  * `generate(prompts, lengths, settings)` decodes a batch; `chunks(...)` yields the partial
+    result after the prefill and after each chunk of loop steps (streaming);
+  * continuous batching: `prefill` new prompts into a fresh state (rows not named are
+    skipped), `insert` its rows into a running state, `step` every running row a chunk of loop
+    steps, `evict` rows, read the `result`.
+Per-request settings are rows of data (`settings.RowSettings`), never compile keys: a plan
+compiles one prefill per prompt width and batch size, one loop and one splice per batch size,
+whatever the requests ask. `compilations()` counts every program the engines have compiled.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp.decode import loop
+from mtp.decode import plan as plan_lib
+from mtp.decode import settings as settings_lib
+from mtp.decode import state as state_lib
+
+Array = jax.Array
+DecodeResult = state_lib.DecodeResult
+
+
+class _Compilations:
+  """Programs traced (compiled, or read from the persistent cache) since the process started,
+  by kind: a public count, where jit's cache sizes are private."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._counts: collections.Counter[str] = collections.Counter()
+
+  def add(self, name: str) -> None:
+    with self._lock:
+      self._counts[name] += 1
+
+  def total(self) -> int:
+    with self._lock:
+      return sum(self._counts.values())
+
+  def by_kind(self) -> dict[str, int]:
+    with self._lock:
+      return dict(self._counts)
+
+
+COMPILATIONS = _Compilations()
+
+
+def compilations() -> int:
+  """Decoder programs compiled since the process started (a trace is a compilation)."""
+  return COMPILATIONS.total()
+
+
+@functools.partial(jax.jit, static_argnames=('structure', 'plan'))
+def _prefill(structure, leaves, data, plan, prompts, lengths, active, settings):
+  COMPILATIONS.add('prefill')  # Runs when traced, not when called.
+  model = state_lib.merge(structure, leaves)
+  return loop.prefill(model, data, plan, prompts, lengths, active, settings)
+
+
+@functools.partial(jax.jit, static_argnames=('structure', 'plan'), donate_argnames=('state',))
+def _run(structure, leaves, data, plan, state, max_steps):
+  COMPILATIONS.add('run')
+  return loop.run(state_lib.merge(structure, leaves), data, plan, state, max_steps)
+
+
+@functools.partial(jax.jit, donate_argnames=('state',))
+def _splice(state, fresh, rows):
+  COMPILATIONS.add('splice')
+  return loop.splice(state, fresh, rows)
+
+
+@jax.jit
+def _stop(state, rows):
+  COMPILATIONS.add('stop')
+  return loop.stop(state, rows)
+
+
+class Engine:
+  """A model, a decode plan and its data, ready to decode (see the module docstring).
+
+  Attributes:
+    source: what it was made from (a `LoadedModel`, an `MTPModel` or a `PreparedModel`).
+    prepared: the model split for decoding (`state.PreparedModel`).
+    plan: the `plan.DecodePlan`.
+    data: the plan's `loop.PlanData`.
+  """
+
+  def __init__(self, source, plan, data: loop.PlanData):
+    self.source = source
+    if hasattr(source, 'prepared'):
+      self.prepared = source.prepared()  # A LoadedModel keeps its prepared copy.
+    else:
+      self.prepared = state_lib.prepare(source)
+    self.plan, self.data = plan, data
+
+  @property
+  def cfg(self):
+    """The model's `ModelConfig`."""
+    return self.prepared.cfg
+
+  def with_data(self, **changes) -> 'Engine':
+    """The same engine with some of its data replaced (same shapes: nothing recompiles)."""
+    return Engine(self.source, self.plan, dataclasses.replace(self.data, **changes))
+
+  # ----------------------------------------------------------------------------- requests
+
+  def settings(self, samplings: Sequence[settings_lib.Sampling],
+               indices: Sequence[int] | None = None) -> settings_lib.RowSettings:
+    """The rows' settings, checked against the plan (errors name the field)."""
+    plan = self.plan
+    for s in samplings:
+      s.check(self.cfg.trunk.vocab_size, plan.max_new_tokens, plan.max_stop_ids)
+      if plan.greedy_only and not s.greedy:
+        raise ValueError('this decoder was planned for greedy rows only (greedy_only), got '
+                         f'temperature {s.temperature}')
+    return settings_lib.row_settings(samplings, plan.max_stop_ids, indices)
+
+  def _prompts(self, prompts, lengths, settings, rows=None):
+    """Prompts padded to whole prefill chunks, checked against the plan's cache, on the mesh."""
+    prompts, lengths = np.asarray(prompts, np.int32), np.asarray(lengths, np.int32)
+    b, p = prompts.shape
+    width = -(-p // loop.PREFILL_CHUNK) * loop.PREFILL_CHUNK
+    active = np.ones(b, bool) if rows is None else np.asarray(rows, bool)
+    budgets = np.asarray(settings.max_tokens)
+    plan_lib.check_room(lengths[active], budgets[active], self.cfg.trunk.max_seq_len)
+    room = self.plan.capacity - self.plan.block_size
+    reach = lengths + budgets
+    if width > room or np.any(active & (reach > room)):
+      raise ValueError(f'prompts of width {p} (padded to {width}) and budgets of up to '
+                       f'{int(np.max(np.where(active, reach, 0)))} positions do not fit this '
+                       f'decoder\'s cache of {self.plan.capacity} slots (a block takes '
+                       f'{self.plan.block_size}): resolve a plan for them')
+    if width > p:
+      prompts = np.pad(prompts, ((0, 0), (0, width - p)))
+    return state_lib.shard_rows((jnp.asarray(prompts), jnp.asarray(lengths),
+                                 jnp.asarray(active)), self.plan.mesh)
+
+  # ----------------------------------------------------------------------------- the door
+
+  def prefill(self, prompts, lengths, settings: settings_lib.RowSettings,
+              rows=None) -> loop.LoopState:
+    """A fresh state: prompts [B, P] (right-padded, checked) prefilled in the rows [B] marked
+    (None: all); the other rows are cancelled fillers."""
+    prompts, lengths, active = self._prompts(prompts, lengths, settings, rows)
+    return _prefill(self.prepared.structure, self.prepared.leaves, self.data, self.plan,
+                    prompts, lengths, active, settings)
+
+  def insert(self, state: loop.LoopState | None, fresh: loop.LoopState,
+             rows) -> loop.LoopState:
+    """`fresh`'s rows [B] marked, spliced into the running `state` (None: `fresh` itself)."""
+    if state is None:
+      return fresh
+    return _splice(state, fresh, jnp.asarray(rows, bool))
+
+  def step(self, state: loop.LoopState, steps: int) -> loop.LoopState:
+    """Up to `steps` loop steps of every running row (`state` is consumed)."""
+    return _run(self.prepared.structure, self.prepared.leaves, self.data, self.plan, state,
+                jnp.int32(steps))
+
+  def evict(self, state: loop.LoopState, rows) -> loop.LoopState:
+    """Rows [B] marked stop (cancelled); they cost nothing more when rows are mapped."""
+    rows = np.asarray(rows, bool)
+    if not rows.any():
+      return state
+    return _stop(state, jnp.asarray(rows))
+
+  def result(self, state: loop.LoopState, pad_id: int = 0) -> DecodeResult:
+    """Every row's result so far, on the host, `pad_id` after each row's end."""
+    s = jax.device_get(state)
+    m = self.plan.max_new_tokens
+    n = np.asarray(s.num_generated)
+    tokens = np.where(np.arange(m)[None, :] < n[:, None], s.tokens[:, :m], pad_id)
+    out = DecodeResult(tokens=tokens.astype(np.int32), num_generated=n,
+                       num_steps=np.asarray(s.num_steps),
+                       accepted_histogram=np.asarray(s.histogram), reason=np.asarray(s.reason))
+    if self.plan.logprobs >= 0:
+      out.logprobs = np.asarray(s.logprobs.chosen[:, :m])
+      out.top_ids = np.asarray(s.logprobs.top_ids[:, :m])
+      out.top_logprobs = np.asarray(s.logprobs.top_values[:, :m])
+    return out
+
+  def running(self, state: loop.LoopState) -> bool:
+    """Whether some row of `state` still decodes."""
+    return bool(jnp.any(state.reason == loop.RUNNING))
+
+  # ----------------------------------------------------------------------------- offline
+
+  def generate(self, prompts, lengths, settings: settings_lib.RowSettings, *,
+               pad_id: int = 0) -> DecodeResult:
+    """Decodes a batch to its end."""
+    state = self.prefill(prompts, lengths, settings)
+    return self.result(self.step(state, self.plan.max_new_tokens), pad_id)
+
+  def chunks(self, prompts, lengths, settings: settings_lib.RowSettings, *,
+             steps_per_chunk: int, pad_id: int = 0,
+             stop: Callable[[], np.ndarray | None] | None = None) -> Iterator[DecodeResult]:
+    """`generate`, yielding the host result after the prefill and after each chunk of
+    `steps_per_chunk` loop steps: one host round trip per chunk, not per token.
+
+    stop: called before each chunk; the [B] bool rows it returns (or None) stop there, as if
+      finished (a server's cancelled requests).
+    """
+    state = self.prefill(prompts, lengths, settings)
+    yield self.result(state, pad_id)
+    while True:
+      stopped = stop() if stop is not None else None
+      if stopped is not None:
+        state = self.evict(state, stopped)
+      if not self.running(state):
+        return
+      state = self.step(state, steps_per_chunk)
+      yield self.result(state, pad_id)
+
+  def decode_function(self) -> Callable:
+    """A pure function (model, prompts [B, P], lengths [B], settings) -> the final
+    `loop.LoopState`: the prefill and the loop as `generate` runs them, to trace whole
+    (`jax.export`; P a multiple of `loop.PREFILL_CHUNK`)."""
+    plan, data = self.plan, self.data
+
+    def decode(model, prompts, lengths, settings):
+      COMPILATIONS.add('export')
+      active = jnp.ones(prompts.shape[:1], bool)
+      state = loop.prefill(model, data, plan, prompts, lengths, active, settings)
+      return loop.run(model, data, plan, state, jnp.int32(plan.max_new_tokens))
+    return decode
+
+  def seconds_per_step(self, prompts, lengths, *, kind: int, steps: int = 16) -> float:
+    """Wall seconds per loop step of `kind` (0: one-token steps; k: the first k drafters'
+    block) on these prompts, greedy, on the compiled loop that decodes (the kind is data: this
+    compiles nothing decoding will not use). Rows never stop at a stop id."""
+    engine = self.with_data(force=jnp.int32(kind))
+    samplings = [settings_lib.Sampling(max_tokens=self.plan.max_new_tokens)] * len(prompts)
+    state = engine.prefill(prompts, lengths, self.settings(samplings))
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    state = jax.block_until_ready(engine.step(state, steps))
+    taken = int(np.max(jax.device_get(state.num_steps)))
+    return (time.perf_counter() - start) / max(taken, 1)
