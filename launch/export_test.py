@@ -11,14 +11,13 @@ from absl import flags
 from absl.testing import flagsaver
 
 from launch import export
-from mtp.train import testing
 
 FLAGS = flags.FLAGS
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  return testing.train_tiny_workdir(tmp_path_factory.mktemp('export'))
+def workdir(tiny_workdir):
+  return tiny_workdir
 
 
 def _run(argv):
@@ -52,7 +51,8 @@ def test_params_and_jax_export(workdir, tmp_path, capsys):
     (['--format=onnx'], "unknown export format 'onnx'"),
     (['--format=params', '--dtype=float16'], "cannot hold dtype 'float16'"),
     (['--format=params', '--max_new_tokens=8'], 'max_new_tokens does not apply'),
-    (['--format=jax_export', '--tree=bushy'], '--tree must be chain, default or JSON'),
+    (['--format=jax_export', '--tree=bushy'], 'tree must be one of chain, default'),
+    (['--format=jax_export', '--tree=auto'], "tree='auto' is measured at run time"),
     (['--format=jax_export', '--lookup=-1'], 'cannot export the speculative decoder: lookup'),
     (['--format=params', '--output={tmp}/taken'], 'output .*taken already exists'),
     (['--format=params', '--workdir={tmp}/nowhere'], 'workdir .*nowhere does not exist'),

@@ -8,15 +8,14 @@ from absl import flags
 from absl.testing import flagsaver
 
 from launch import generate
-from mtp.train import testing
 
 FLAGS = flags.FLAGS
 PROMPTS = ['def add(a, b):\n', 'import os\nimport sys\n', 'x = [']
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  return testing.train_tiny_workdir(tmp_path_factory.mktemp('generate'))
+def workdir(tiny_workdir):
+  return tiny_workdir
 
 
 def _run(argv):
@@ -88,12 +87,12 @@ def test_malformed_prompt_file_names_the_line(tmp_path):
 
 
 def test_tree_flag_parsing():
-  assert generate.parse_tree(None) is None
-  assert generate.parse_tree('auto') == 'auto'
-  assert generate.parse_tree('dynamic') == 'dynamic'
-  assert generate.parse_tree('[[0], [0, 1]]') == [(0,), (0, 1)]
+  assert generate.trees.parse(None) is None
+  assert generate.trees.parse('auto') == 'auto'
+  assert generate.trees.parse('dynamic') == 'dynamic'
+  assert generate.trees.parse('[[0], [0, 1]]') == [(0,), (0, 1)]
   with pytest.raises(ValueError, match='JSON choices'):
-    generate.parse_tree('bushy')
+    generate.trees.parse('bushy')
 
 
 def test_non_utf8_prompt_file_names_the_line(tmp_path):

@@ -13,14 +13,13 @@ import openai
 import pytest
 
 from mtp.serving import server
-from mtp.serving import testing
 
 PROMPT = 'def add(a, b):\n'
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  return testing.tiny_workdir(tmp_path_factory.mktemp('serve_cli') / 'wd')
+def workdir(tiny_workdir):
+  return tiny_workdir
 
 
 def _env():
@@ -37,7 +36,7 @@ def test_serve_answers_health_soon_and_matches_launch_generate(workdir):
   start = time.monotonic()
   serve = subprocess.Popen(
       [sys.executable, '-m', 'launch.serve', f'--workdir={workdir}', f'--port={port}',
-       '--warmup_max_tokens=8', '--model_name=tiny'],
+       '--decoders=auto', '--model_name=tiny'],
       env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     # launch.generate runs meanwhile (the reference), as a user would run it.

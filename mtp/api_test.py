@@ -8,12 +8,11 @@ import pytest
 
 import mtp
 from mtp.checkpoint import checkpointing
-from mtp.train import testing
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  return testing.train_tiny_workdir(tmp_path_factory.mktemp('api'))
+def workdir(tiny_workdir):
+  return tiny_workdir
 
 
 def test_load_returns_the_trained_model_and_tokenizer(workdir):
@@ -64,7 +63,7 @@ def test_generate_speculative_equals_autoregressive_greedy_across_batching(workd
     emitted = sum(j * c for j, c in enumerate(g.accepted_histogram))
     assert sum(g.accepted_histogram) == g.num_steps and emitted + 1 == len(g.tokens)
     assert g.mean_accepted == pytest.approx(emitted / max(g.num_steps, 1))
-    assert g.tokens_per_sec > 0 and g.finish_reason in ('eos', 'length')
+    assert g.tokens_per_sec > 0 and g.finish_reason in ('stop', 'length')
   assert all(g.mean_accepted == 1.0 or g.num_steps == 0 for g in ar)
   # One prompt as a string; the static default tree gives the same tokens.
   [one] = mtp.generate(workdir, PROMPTS[2], max_new_tokens=12, tree='default')
@@ -102,11 +101,26 @@ def test_generate_emits_only_ids_the_tokenizer_decodes(workdir):
         assert all(t < tokenizer.vocab_size and t != tokenizer.pad_id for t in g.tokens)
 
 
-def test_generate_sampling_is_seeded(workdir):
+def test_generate_sampling_is_seeded_whatever_the_batching(workdir):
   loaded = mtp.load(workdir)
-  run = lambda seed: [g.tokens for g in mtp.generate(
-      loaded, PROMPTS[:2], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=seed)]
-  assert run(1) == run(1)
+  run = lambda seed, batch: [g.tokens for g in mtp.generate(
+      loaded, PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=seed,
+      batch_size=batch, decoder='speculative')]
+  assert run(1, None) == run(1, None) == run(1, 1) == run(1, 2)
+  assert run(1, None) != run(2, None)
+
+
+def test_generate_returns_the_models_logprobs(workdir):
+  loaded = mtp.load(workdir)
+  spec, ar = (mtp.generate(loaded, PROMPTS[:2], max_new_tokens=8, logprobs=2, decoder=decoder)
+              for decoder in ('speculative', 'autoregressive'))
+  for s, a in zip(spec, ar):
+    assert s.tokens == a.tokens and len(s.logprobs) == len(s.tokens)
+    np.testing.assert_allclose(s.logprobs, a.logprobs, atol=1e-5)
+    assert [t for t, _ in s.top_logprobs[0]] == [t for t, _ in a.top_logprobs[0]]
+    assert s.to_json()['logprobs'] == s.logprobs
+  plain = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=4)[0]
+  assert plain.logprobs is None and 'logprobs' not in plain.to_json()
 
 
 @pytest.mark.parametrize('kwargs,match', [
@@ -127,21 +141,27 @@ def test_generate_sampling_is_seeded(workdir):
     (dict(tree=[[True]]), 'not an integer'),
     (dict(lookup=-1), r'lookup \(--lookup\) must be a non-negative integer'),
     (dict(lookup=1000), r'lookup \(--lookup\) must be at most'),
-    (dict(lookup=3, temperature=0.7), 'verified greedily only'),
     (dict(lookup=3, decoder='autoregressive'), 'apply to the drafting decoders'),
-    (dict(tree_budget=1), r'tree_budget must be an integer in \[2, '),
+    (dict(tree_budget=1), 'tree_budget must be an integer >= 2'),
     (dict(tree='dynamic', tree_budget=4, lookup=3), 'drafts from the heads alone'),
-    (dict(decoder='autoregressive', tree_budget=4), 'applies to the drafting decoders only'),
+    (dict(decoder='autoregressive', tree_budget=4), 'apply to the drafting decoders'),
+    (dict(logprobs=21), 'logprobs must be an integer in'),
+    (dict(drafters=['beam']), 'drafters must be distinct names'),
 ])
 def test_generate_rejects_bad_input_before_compiling(workdir, kwargs, match):
+  from mtp.decode import engine
   loaded = mtp.load(workdir)
   args = {'prompts': ['x = 1'], 'max_new_tokens': 10, **kwargs}
+  compiled = engine.compilations()
   with pytest.raises(ValueError, match=match):
     mtp.generate(loaded, args.pop('prompts'), **args)
+  assert engine.compilations() == compiled
 
 
 def test_generate_auto_tree_measures_and_caches_accuracies(workdir, monkeypatch):
+  from mtp.decode import calibration
   from mtp.decode import cost_model
+  from mtp.decode import measurements
   # cost_model_test covers measuring the curve; a fixed one keeps this test fast.
   curve = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 16: 3.0, 32: 6.0}
   monkeypatch.setattr(cost_model, 'step_cost', lambda model, **kwargs: curve)
@@ -149,8 +169,8 @@ def test_generate_auto_tree_measures_and_caches_accuracies(workdir, monkeypatch)
   ar = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, decoder='autoregressive')
   [auto] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree='auto')
   assert auto.tokens == ar[0].tokens
-  assert (workdir / 'head_accuracies.json').exists()
-  acc = mtp.api.head_accuracies(loaded)
+  assert measurements.read_table('head_accuracies.json')  # Measured once, kept in the cache.
+  acc = calibration.workdir_accuracies(loaded)
   assert acc.shape == (3, 4) and ((acc >= 0) & (acc <= 1)).all()
   # A dynamic tree sized as 'auto' sizes a static one (the same measurements), and the
   # default decoder ('auto') stops it where it does not pay: still exact.
@@ -159,42 +179,48 @@ def test_generate_auto_tree_measures_and_caches_accuracies(workdir, monkeypatch)
   assert len(dynamic.accepted_histogram) == 3 + 2  # The superset's depth: no lookup chain.
 
 
-@pytest.mark.parametrize('contents', [
-    b'{"step', b'\xff\xfe', b'[1, 2]', b'null',
-    b'{"KEY": "oops"}', b'{"KEY": [[0.5, 0.5], [0.5]]}', b'{"KEY": [[0.5, 0.5, 0.5, 0.5]]}',
-    b'{"KEY": [[2.0, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]}',
-    b'{"KEY": [[NaN, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]}',
-])
+@pytest.mark.parametrize('entry', [
+    '"oops"', '[[0.5, 0.5], [0.5]]', '[[0.5, 0.5, 0.5, 0.5]]',
+    '[[2.0, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]',
+    '[[NaN, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]', None])
 def test_a_malformed_accuracy_cache_is_named_and_measured_again(workdir, tmp_path, monkeypatch,
-                                                                caplog, contents):
-  import dataclasses
-  import json
+                                                                caplog, entry):
   from mtp.decode import calibration
-  loaded = dataclasses.replace(mtp.load(workdir), workdir=tmp_path)  # Keep the fixture's cache.
+  from mtp.decode import measurements
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  loaded = mtp.load(workdir)
   measured = np.full((loaded.model.cfg.mtp_num_heads, 4), 0.25)
   calls = []
+  real = calibration.calibrate
   monkeypatch.setattr(calibration, 'calibrate', lambda *a, **k: calls.append(1) or measured)
-  key = f'step{loaded.step}-R4-n8-even'
-  path = tmp_path / 'head_accuracies.json'
-  path.write_bytes(contents.replace(b'KEY', key.encode()))
+  calibration.workdir_accuracies(loaded)
+  path = measurements.root() / 'head_accuracies.json'
+  (key,) = measurements.read_table('head_accuracies.json')
+  if entry is None:  # Not even JSON.
+    path.write_bytes(b'{"step')
+  else:
+    path.write_text('{"%s": %s}' % (key, entry))
   with caplog.at_level('WARNING'):
-    acc = mtp.api.head_accuracies(loaded)
+    acc = calibration.workdir_accuracies(loaded)
   np.testing.assert_array_equal(acc, measured)
-  assert calls == [1]
+  assert calls == [1, 1]
   assert any(str(path) in r.getMessage() and 'measuring again' in r.getMessage()
              for r in caplog.records)
-  assert json.loads(path.read_text()) == {key: measured.tolist()}  # Overwritten.
-  np.testing.assert_array_equal(mtp.api.head_accuracies(loaded), measured)
-  assert calls == [1]  # Read back from the rewritten cache.
-  assert [p.name for p in tmp_path.iterdir()] == [path.name]  # No temporary left behind.
+  np.testing.assert_array_equal(calibration.workdir_accuracies(loaded), measured)
+  assert calls == [1, 1]  # Read back from the rewritten cache.
+  assert not list(path.parent.glob('.*tmp'))  # No temporary left behind.
+  del real
 
 
 def test_chat_renders_the_template_and_reads_its_markers_as_special_ids(workdir):
   import dataclasses
   from mtp.data import tokenizer as tokenizer_lib
   loaded = mtp.load(workdir)
+  plain = tokenizer_lib.Tokenizer(loaded.tokenizer.hf_tokenizer, loaded.tokenizer.special_ids,
+                                  chat_template=None)
   with pytest.raises(ValueError, match='no chat template'):
-    mtp.chat(loaded, [{'role': 'user', 'content': 'hi'}], max_new_tokens=4)
+    mtp.chat(dataclasses.replace(loaded, tokenizer=plain), [{'role': 'user', 'content': 'hi'}],
+             max_new_tokens=4)
   template = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
   tokenizer = tokenizer_lib.Tokenizer(loaded.tokenizer.hf_tokenizer,
                                       loaded.tokenizer.special_ids, chat_template=template)
@@ -214,28 +240,29 @@ def test_auto_drafts_over_its_default_draft_vocabulary_where_the_corpus_counts(
     workdir, tmp_path, monkeypatch, caplog):
   import dataclasses
   from mtp.decode import decoders
+  from mtp.decode import draft_vocab
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))  # Counted afresh there.
   # The tiny model's 264 ids stand for a large vocabulary: auto's default is 16 ids here.
   monkeypatch.setitem(decoders.DECODERS, 'auto',
                       dataclasses.replace(decoders.get('auto'), draft_vocab=16))
-  loaded = dataclasses.replace(mtp.load(workdir), workdir=tmp_path)  # Counted afresh there.
-  if (workdir / 'head_accuracies.json').exists():  # The fixture's measured tree, if any.
-    shutil.copy(workdir / 'head_accuracies.json', tmp_path)
+  loaded = mtp.load(workdir)
   calls = []
-  real = mtp.api.draft_vocabulary
-  monkeypatch.setattr(mtp.api, 'draft_vocabulary',
+  real = draft_vocab.draft_vocabulary
+  monkeypatch.setattr(draft_vocab, 'draft_vocabulary',
                       lambda loaded, size: calls.append(size) or real(loaded, size))
   [ar] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, decoder='autoregressive')
-  [auto] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree=None, lookup=0)
+  [auto] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree='chain', lookup=0)
   assert auto.tokens == ar.tokens and calls == [16]
-  assert (tmp_path / 'token_counts.npy').exists()
-  [whole] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, lookup=0, draft_vocab=0)
+  assert list((tmp_path / 'decode' / 'token_counts').glob('*.npy'))
+  [whole] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree='chain', lookup=0,
+                         draft_vocab=0)
   assert whole.tokens == ar.tokens and calls == [16]  # 0 names the whole vocabulary.
 
   def unreadable(loaded, size):
     raise FileNotFoundError('no such corpus')
-  monkeypatch.setattr(mtp.api, 'draft_vocabulary', unreadable)
+  monkeypatch.setattr(draft_vocab, 'draft_vocabulary', unreadable)
   with caplog.at_level('WARNING'):
-    [fallback] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, lookup=0)
+    [fallback] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree='chain', lookup=0)
   assert fallback.tokens == ar.tokens
   assert 'Drafting over the whole vocabulary' in caplog.text and 'no such corpus' in caplog.text
   with pytest.raises(FileNotFoundError, match='no such corpus'):  # Named by the caller: raised.

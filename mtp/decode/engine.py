@@ -242,7 +242,9 @@ class Engine:
     block) on these prompts, greedy, on the compiled loop that decodes (the kind is data: this
     compiles nothing decoding will not use). Rows never stop at a stop id."""
     engine = self.with_data(force=jnp.int32(kind))
-    samplings = [settings_lib.Sampling(max_tokens=self.plan.max_new_tokens)] * len(prompts)
+    room = self.cfg.trunk.max_seq_len - np.asarray(lengths)
+    samplings = [settings_lib.Sampling(max_tokens=int(min(self.plan.max_new_tokens, r)))
+                 for r in room]
     state = engine.prefill(prompts, lengths, self.settings(samplings))
     jax.block_until_ready(state)
     start = time.perf_counter()

@@ -299,8 +299,9 @@ def _drafter_names(o: Options, drafters: Sequence[str] | None) -> list[str]:
     what = 'tree_budget (a dynamic tree)' if o.tree_budget else 'tree and lookup'
     raise ValueError(f'{what} apply to the drafting decoders ({drafting}) only, not to '
                      f'{spec.name!r}')
-  if o.lookup == 0 and 'lookup' in names:
-    names.remove('lookup')
+  dynamic = o.tree == 'dynamic' or bool(o.tree_budget)
+  if (o.lookup == 0 or (dynamic and o.lookup is None)) and 'lookup' in names:
+    names.remove('lookup')  # Named off, or beside a dynamic tree, which drafts alone.
   elif o.lookup and 'lookup' not in names:
     names.append('lookup')
   if 'heads' in names and names.index('heads'):

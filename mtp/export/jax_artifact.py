@@ -49,6 +49,7 @@ from mtp.decode import plan as plan_lib
 from mtp.decode import settings as settings_lib
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
+from mtp.decode.drafters import lookup as lookup_lib
 from mtp.export import ExportError
 from mtp.export import params as params_lib
 from mtp.model import mtp_model
@@ -121,9 +122,11 @@ def variants(model_cfg: mtp_model.ModelConfig, *, max_new_tokens: int | None = N
           kwargs['tree'] = trees_lib.static_tree(tree, model_cfg.mtp_num_heads)
         except ValueError as e:
           raise ExportError(f'cannot export the {decoder} decoder: {e}') from None
-        kwargs['lookup'] = int(lookup or 0)
-        if not 0 <= kwargs['lookup'] <= 64:
-          raise ExportError(f'lookup must be an integer in [0, 64], got {lookup!r}')
+        if (isinstance(lookup, bool) or not isinstance(lookup, (int, np.integer))
+            or not 0 <= lookup <= lookup_lib.MAX_LENGTH):
+          raise ExportError(f'cannot export the {decoder} decoder: lookup (--lookup) must be an '
+                            f'integer in [0, {lookup_lib.MAX_LENGTH}], got {lookup!r}')
+        kwargs['lookup'] = int(lookup)
       out.append(kwargs)
   return int(max_new_tokens), platforms, out
 

@@ -196,6 +196,17 @@ class Batcher:
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, name='mtp-decode', daemon=True)
     self.startup_error: Exception | None = None
+    for decoder in self.decoders:  # A bad option is named here, before anything is served.
+      self._resolve(decoder, break_even=0.0)
+
+  def _resolve(self, decoder: str, break_even=None, calibration=None):
+    """The lane's engine: its plan takes any prompt and budget the model's positions allow."""
+    return plan_lib.resolve(
+        self.loaded, decoder, max_new_tokens=self.max_tokens, prompt_width=self.prompt_width,
+        # Exact rows decode as batches of one: trees sized for that.
+        batch_size=1 if self.exact else self.max_batch, exact=self.exact,
+        logprobs=self.max_logprobs, calibration=calibration, break_even=break_even,
+        **(self._options if decoders_lib.get(decoder).drafts else {}))
 
   # ---------------------------------------------------------------- event-loop side
 
@@ -281,12 +292,7 @@ class Batcher:
         0, self.tokenizer.vocab_size, (self.max_batch, width), np.int32),
                    np.full((self.max_batch,), width, np.int32))
     for decoder in self.decoders:
-      engine = plan_lib.resolve(
-          self.loaded, decoder, max_new_tokens=self.max_tokens, prompt_width=self.prompt_width,
-          # Exact rows decode as batches of one: trees sized for that.
-          batch_size=1 if self.exact else self.max_batch, exact=self.exact,
-          logprobs=self.max_logprobs, calibration=calibration,
-          **(self._options if decoders_lib.get(decoder).drafts else {}))
+      engine = self._resolve(decoder, calibration=calibration)
       lane = _Lane(decoder, engine, self.max_batch)
       job = Job([self.tokenizer.bos_id or 0], schemas.Options(max_tokens=2, decoder=decoder),
                 emit=lambda e: None)

@@ -25,11 +25,10 @@ def test_stop_text_holds_back_what_could_become_a_stop_sequence():
 
 
 @pytest.fixture(scope='module')
-def served(tmp_path_factory):
-  workdir = testing.tiny_workdir(tmp_path_factory.mktemp('vectorized') / 'wd')
-  loaded = mtp.load(workdir)
+def served(tiny_workdir):
+  loaded = mtp.load(tiny_workdir)
   with server.running(loaded, max_batch=4, exact=False,
-                      warmup=[('autoregressive', 6)]) as (url, batcher):
+                      decoders=('autoregressive',)) as (url, batcher):
     yield url, loaded
 
 
@@ -50,18 +49,22 @@ def test_shared_matmul_mode_serves_concurrent_requests(served):
 
 
 @pytest.mark.parametrize('tree,budget,nodes', [([(0,), (1,), (0, 0)], 0, 4), (None, 3, 3)])
-def test_trees_are_served_exactly(tmp_path, tree, budget, nodes):
+def test_trees_are_served_exactly(tiny_workdir, tree, budget, nodes):
   """A static tree or a dynamic one (--tree, --tree_budget): greedy requests still return
   launch.generate's tokens, and a bad block is refused when the server is built."""
-  loaded = mtp.load(testing.tiny_workdir(tmp_path / 'wd'))
+  loaded = mtp.load(tiny_workdir)
   prompts = ['def f(x):', 'import os']
-  want = testing.references(loaded, prompts, 6)
-  with server.running(loaded, max_batch=2, tree=tree, tree_budget=budget) as (url, batcher):
-    assert batcher._request(('speculative', 32, 6, 0.0, 1.0)).block_size == nodes
+  want = {p: g.tokens for p, g in zip(prompts, mtp.generate(
+      loaded, prompts, max_new_tokens=6, decoder='speculative', batch_size=1, tree=tree,
+      tree_budget=budget))}
+  with server.running(loaded, max_batch=2, tree=tree, tree_budget=budget,
+                      decoders=('speculative',)) as (url, batcher):
+    assert batcher.warm.wait(300) and batcher.startup_error is None
+    assert batcher._lanes['speculative'].engine.plan.block_size == nodes
     client = openai.OpenAI(base_url=url + '/v1', api_key='unused', max_retries=0)
     for prompt in prompts:
       response = client.completions.create(model='m', prompt=prompt, max_tokens=6,
                                             temperature=0, extra_body={'decoder': 'speculative'})
       assert response.model_extra['mtp']['tokens'] == want[prompt]
   with pytest.raises(ValueError, match='tree_budget'):
-    batcher_lib.Batcher(loaded, tree=None, tree_budget=10_000)
+    batcher_lib.Batcher(loaded, tree=None, tree_budget=10_000, decoders=('speculative',))

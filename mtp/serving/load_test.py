@@ -13,16 +13,15 @@ from mtp.serving import testing
 MAX_TOKENS = 6
 CLIENTS = 32
 REQUESTS = 256
-# Short prompts of many lengths (one prompt-width bucket, hence one compiled program).
+# Short prompts of many lengths (one compiled program serves them all).
 PROMPTS = [f'def f{i}(x):\n  return x' + ' +' * (i % 5) for i in range(24)]
 
 
 @pytest.fixture(scope='module')
-def served(tmp_path_factory):
-  workdir = testing.tiny_workdir(tmp_path_factory.mktemp('load') / 'wd')
-  loaded = mtp.load(workdir)
+def served(tiny_workdir):
+  loaded = mtp.load(tiny_workdir)
   with server.running(loaded, max_batch=8, max_wait_ms=5, max_queue=REQUESTS,
-                      warmup=[('speculative', MAX_TOKENS)]) as (url, batcher):
+                      decoders=('speculative',)) as (url, batcher):
     yield url, batcher, loaded
 
 

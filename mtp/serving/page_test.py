@@ -10,7 +10,6 @@ import pytest
 import mtp
 from benchmarks import serve_page
 from mtp.serving import server
-from mtp.serving import testing
 
 MAX_TOKENS = 24
 PROMPT = 'def add(a, b):\n    return'
@@ -21,12 +20,10 @@ pytestmark = pytest.mark.skipif(serve_page.chromium() is None,
 
 
 @pytest.fixture(scope='module')
-def served(tmp_path_factory):
-  workdir = testing.tiny_workdir(tmp_path_factory.mktemp('page') / 'wd')
-  loaded = mtp.load(workdir)
+def served(tiny_workdir):
+  loaded = mtp.load(tiny_workdir)
   with server.running(loaded, max_batch=2, max_wait_ms=5,
-                      warmup=[(d, MAX_TOKENS) for d in ('autoregressive', 'speculative')]
-                      ) as (url, _):
+                      decoders=('autoregressive', 'speculative')) as (url, _):
     yield url
 
 
