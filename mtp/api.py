@@ -77,31 +77,19 @@ def generate(loaded_or_workdir, prompts: str | Sequence[str], *, max_new_tokens:
              on_text: TextCallback | None = None, steps_per_chunk: int | None = None,
              special_tokens: bool = False, logprobs: int | None = None,
              **options) -> list[Generation]:
-  """Completes text prompts with a trained model: the Python twin of `launch.generate`.
+  """Completes text prompts: the Python twin of `launch.generate` (its flags, the same names).
 
-  Prompts are decoded in batches of `batch_size` (None: all in one), in order, right-padded to
-  one width, so one compiled decoder serves every batch. The whole request is checked before
-  anything compiles (errors name the prompt or option); the decoder is compiled and warmed up
-  on the first batch, so `tokens_per_sec` excludes compilation. Prompt i samples with its own
-  key from `seed` and i: its tokens do not depend on `batch_size`.
-
-  Args:
-    loaded_or_workdir: `mtp.load(...)`'s result, or a workdir or export directory to load.
-    prompts: one prompt or a list. max_new_tokens: tokens per prompt at most.
-    decoder: 'auto' (the default: the heads draft, and prompt lookup where the text repeats;
-      each row stops each kind of drafting where it does not pay here, `decode.auto`),
-      'speculative' (every step drafts) or 'autoregressive'. Every decoder is exact.
-    temperature, top_k, top_p, seed: sampling (temperature 0 = greedy).
-    on_text: called as `on_text(prompt_index, text, finished)` as text is accepted, a chunk of
-      `steps_per_chunk` loop steps at a time (None: the decoder's default).
-    special_tokens: read special-token strings in the prompts (a chat template's markers).
-    logprobs: keep the model's log-probability of each token (0), and its k most likely
-      tokens' (k > 0, at most 20); None: none.
-    **options: how to decode (`decode.plan.resolve`): tree, tree_budget, lookup, draft_vocab,
-      drafters.
-
-  Returns:
-    One `Generation` per prompt, in order.
+  Prompts are decoded in batches of `batch_size` (None: all in one), in order, through one
+  compiled decoder, compiled and warmed up on the first batch (`tokens_per_sec` excludes it).
+  Everything is checked before anything compiles; errors name the prompt or option. Prompt i
+  samples with its own key from `seed` and i, whatever the batching. `decoder`: 'auto' (the
+  heads draft, and prompt lookup where the text repeats; each row stops each kind of drafting
+  where it does not pay here, `decode.auto`), 'speculative' or 'autoregressive': all exact.
+  `on_text(prompt_index, text, finished)` streams, a chunk of `steps_per_chunk` loop steps at a
+  time. `special_tokens` reads a chat template's markers in the prompts as special ids.
+  `logprobs`: keep each token's log-probability (0) and its k most likely alternatives' (k).
+  **options: how to decode (`decode.plan.resolve`): tree, tree_budget, lookup, draft_vocab,
+  drafters (None: the decoder's default). Returns one `Generation` per prompt, in order.
   """
   loaded = loaded_or_workdir
   if not isinstance(loaded, (LoadedModel, runtime.LoadedArtifact)):
@@ -127,18 +115,17 @@ def generate(loaded_or_workdir, prompts: str | Sequence[str], *, max_new_tokens:
       loaded, decoder, max_new_tokens=max_new_tokens, prompt_width=padded.shape[1],
       batch_size=batch_size, greedy_only=sampling.greedy,
       logprobs=-1 if logprobs is None else logprobs, calibration=batches[0][1:], **options)
-  first = engine.settings([sampling] * batch_size)
-  engine.step(engine.prefill(*batches[0][1:], first), 1)  # Compiles and warms up.
-  results = []
+  engine.step(engine.prefill(*batches[0][1:], engine.settings([sampling] * batch_size)), 1)
+  results = []  # Compiled and warmed up above: the prefill and one loop step.
   for rows, tokens, row_lengths in batches:
-    settings = engine.settings([sampling] * batch_size, rows + [rows[-1]] * (batch_size - len(rows)))
+    indices = rows + [rows[-1]] * (batch_size - len(rows))  # Each prompt its own key.
+    settings = engine.settings([sampling] * batch_size, indices)
     start = time.perf_counter()
     if on_text is None:
       out = engine.generate(tokens, row_lengths, settings, pad_id=tokenizer.pad_id)
     else:
-      chunks = engine.chunks(tokens, row_lengths, settings, steps_per_chunk=steps_per_chunk,
-                             pad_id=tokenizer.pad_id)
-      out = _stream(chunks, tokenizer, rows, on_text)
+      out = _stream(engine.chunks(tokens, row_lengths, settings, pad_id=tokenizer.pad_id,
+                                  steps_per_chunk=steps_per_chunk), tokenizer, rows, on_text)
     seconds = time.perf_counter() - start
     results += [_generation(out, row, texts[i], int(row_lengths[row]), tokenizer, seconds)
                 for row, i in enumerate(rows)]

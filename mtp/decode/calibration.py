@@ -23,6 +23,7 @@ from flax import nnx
 from mtp.decode import measurements
 from mtp.decode import settings as settings_lib
 from mtp.decode import state as state_lib
+from mtp.decode import trees as trees_lib
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'top_k'))
@@ -177,8 +178,9 @@ def workdir_accuracies(loaded, num_prompts: int = 8, top_k: int = 4) -> np.ndarr
   prompts = code_prompts(files, tokenizer, num_prompts, max_tokens=96, min_tokens=16) \
       if files else []
   if not prompts:
-    raise ValueError('no validation files to measure head accuracies on for tree="auto"; '
-                     'use tree="default" or "chain"')
+    raise ValueError(f'no validation files to measure head accuracies on for '
+                     f'tree={trees_lib.AUTO!r}; use tree={trees_lib.DEFAULT!r} or '
+                     f'{trees_lib.CHAIN!r}')
   acc = calibrate(loaded.model, [tokenizer.encode(p) for p in prompts], max_new_tokens=128,
                   top_k=top_k, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
   measurements.store(_TABLE, key, acc.tolist())

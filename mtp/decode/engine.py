@@ -95,10 +95,10 @@ class Engine:
     source: what it was made from (a `LoadedModel`, an `MTPModel` or a `PreparedModel`).
     prepared: the model split for decoding (`state.PreparedModel`).
     plan: the `plan.DecodePlan`.
-    data: the plan's `loop.PlanData`.
+    data: the plan's `plan_lib.PlanData`.
   """
 
-  def __init__(self, source, plan, data: loop.PlanData):
+  def __init__(self, source, plan, data: plan_lib.PlanData):
     self.source = source
     if hasattr(source, 'prepared'):
       self.prepared = source.prepared()  # A LoadedModel keeps its prepared copy.

@@ -91,23 +91,6 @@ class LoopState:
   policy: object
 
 
-@flax.struct.dataclass
-class PlanData:
-  """The arrays a plan's compiled loop reads (traced: new values compile nothing).
-
-  Attributes:
-    drafters: one entry per drafter (its data; the draft vocabulary's ids for a heads drafter
-      with one).
-    costs: [K] the `auto` policy's break-even of each kind of drafting step ([0] without one).
-    force: [] a kind of step to run every step (-1: the policy's choice; measurements).
-    hook: the plan's draft hook's data (tests), or None.
-  """
-  drafters: tuple
-  costs: Array
-  force: Array
-  hook: object = None
-
-
 # ------------------------------------------------------------------------------------------
 # Shared pieces.
 # ------------------------------------------------------------------------------------------
@@ -123,7 +106,7 @@ def _logits(model, plan, normed: Array) -> Array:
   return _mask(plan, model.logits(normed))
 
 
-def _head_vocab(model, plan, data: PlanData):
+def _head_vocab(model, plan, data):
   """The heads' draft vocabulary, gathered once per call outside the steps (XLA does not hoist
   it out of a loop's branch); None without one."""
   if plan.draft_vocab_size:
@@ -196,7 +179,7 @@ def _rows(mask: Array, new, old):
 # ------------------------------------------------------------------------------------------
 
 
-def prefill(model, data: PlanData, plan, prompts: Array, lengths: Array, active: Array,
+def prefill(model, data, plan, prompts: Array, lengths: Array, active: Array,
             settings: settings_lib.RowSettings) -> LoopState:
   """Prefills [B, P] right-padded prompts (P a multiple of `PREFILL_CHUNK`): each active row's
   first token and first drafts. Inactive rows (fillers, rows joining nothing) are cancelled."""
@@ -266,7 +249,7 @@ def prefill(model, data: PlanData, plan, prompts: Array, lengths: Array, active:
 # ------------------------------------------------------------------------------------------
 
 
-def _drafting_step(model, data: PlanData, plan, vocab, s: LoopState, row_kind: Array | None,
+def _drafting_step(model, data, plan, vocab, s: LoopState, row_kind: Array | None,
                    kind: int) -> LoopState:
   """Verifies the block of the plan's first `kind` drafters; `row_kind` [B]: the kind whose
   drafts each row may accept (None: every one)."""
@@ -313,7 +296,7 @@ def _drafting_step(model, data: PlanData, plan, vocab, s: LoopState, row_kind: A
                   head_logits)
 
 
-def _one_token_step(model, data: PlanData, plan, vocab, s: LoopState,
+def _one_token_step(model, data, plan, vocab, s: LoopState,
                     row_kind: Array | None = None) -> LoopState:
   """Decodes one token per row; the heads neither run nor draft (their drafts go stale: a later
   drafting step is exact all the same, its stale drafts only fail)."""
@@ -343,7 +326,7 @@ def _compact(cache: kv_cache_lib.KVCache, lengths: Array, path: Array,
                               values=moved.values + cache.values[num_layers:])
 
 
-def _advance(plan, data: PlanData, s: LoopState, emitted: Array, num_emitted: Array,
+def _advance(plan, data, s: LoopState, emitted: Array, num_emitted: Array,
              next_token: Array, logprobs: Logprobs, cache, head_logits) -> LoopState:
   """The state after a step: running rows move on, finished ones keep their state."""
   active = s.reason == RUNNING
@@ -362,7 +345,7 @@ def _advance(plan, data: PlanData, s: LoopState, emitted: Array, num_emitted: Ar
       drafters=_rows(active, states, s.drafters))
 
 
-def run(model, data: PlanData, plan, state: LoopState, max_steps: Array) -> LoopState:
+def run(model, data, plan, state: LoopState, max_steps: Array) -> LoopState:
   """Runs loop steps until every row is done or `max_steps` steps were taken."""
   vocab = _head_vocab(model, plan, data)
   step_args = (model, data, plan, vocab)

@@ -27,6 +27,7 @@ import logging
 import numbers
 from typing import Any, Callable, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,10 +49,27 @@ from mtp.model import kv_cache as kv_cache_lib
 # and experiments (oracle or adversarial drafts). Part of the compiled decoder's identity;
 # hook_data (any pytree of arrays) is traced.
 DraftHook = Callable[[jax.Array, jax.Array, Any], jax.Array]
-# Nodes a dynamic tree chooses from (tree='dynamic').
+# Nodes a dynamic tree chooses from (`trees.DYNAMIC`).
 DYNAMIC_SUPERSET = 64
 # Top logprobs a request may ask for (OpenAI's limit).
 MAX_LOGPROBS = 20
+
+
+@flax.struct.dataclass
+class PlanData:
+  """The arrays a plan's compiled loop reads (traced: new values compile nothing).
+
+  Attributes:
+    drafters: one entry per drafter (its data; the draft vocabulary's ids for a heads drafter
+      with one).
+    costs: [K] the `auto` policy's break-even of each kind of drafting step ([0] without one).
+    force: [] a kind of step to run every step (-1: the policy's choice; measurements).
+    hook: the plan's draft hook's data (tests), or None.
+  """
+  drafters: tuple
+  costs: Array
+  force: Array
+  hook: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +240,7 @@ class Options:
 def _heads(o: Options):
   """The heads' drafter (static or dynamic tree) and its data (draft vocabulary ids)."""
   heads = o.cfg.mtp_num_heads
-  dynamic = o.tree == 'dynamic' or bool(o.tree_budget)
+  dynamic = o.tree == trees_lib.DYNAMIC or bool(o.tree_budget)
   given = None  # Ids given as they are (an array), not counted from the corpus.
   if o.draft_vocab is not None and np.ndim(o.draft_vocab) == 1:
     given = o.draft_vocab
@@ -231,7 +249,7 @@ def _heads(o: Options):
     size = decoders.default_draft_vocab(o.decoder.name, o.draft_vocab,
                                         o.cfg.trunk.vocab_size, heads)
   if dynamic:
-    if o.tree == 'dynamic':
+    if o.tree == trees_lib.DYNAMIC:
       superset = trees_lib.best_tree(_accuracies(o.source)[:heads], DYNAMIC_SUPERSET)
     elif o.tree is None:
       superset = dynamic_trees.default_superset(heads) if heads else None
@@ -240,7 +258,7 @@ def _heads(o: Options):
     if superset is None:
       raise ValueError('a dynamic tree (tree_budget) needs a model with MTP heads: this model '
                        'has mtp_num_heads=0')
-    budget = o.tree_budget or _heads_tree(o, 'auto').num_nodes
+    budget = o.tree_budget or _heads_tree(o, trees_lib.AUTO).num_nodes
     dynamic_trees.check_superset(superset, budget)
     tree = dynamic_trees.reachable(superset, budget)
     _check_draft_vocab_size(size, tree, o)
@@ -299,7 +317,7 @@ def _drafter_names(o: Options, drafters: Sequence[str] | None) -> list[str]:
     what = 'tree_budget (a dynamic tree)' if o.tree_budget else 'tree and lookup'
     raise ValueError(f'{what} apply to the drafting decoders ({drafting}) only, not to '
                      f'{spec.name!r}')
-  dynamic = o.tree == 'dynamic' or bool(o.tree_budget)
+  dynamic = o.tree == trees_lib.DYNAMIC or bool(o.tree_budget)
   if (o.lookup == 0 or (dynamic and o.lookup is None)) and 'lookup' in names:
     names.remove('lookup')  # Named off, or beside a dynamic tree, which drafts alone.
   elif o.lookup and 'lookup' not in names:
@@ -322,7 +340,7 @@ def _build_drafters(o: Options, names: list[str]) -> tuple[tuple, tuple]:
 def _heads_tree(o: Options, choice) -> trees_lib.Tree:
   """The heads' static tree for `choice` (names measured where they need it)."""
   heads = o.cfg.mtp_num_heads
-  if choice == 'auto':
+  if choice == trees_lib.AUTO:
     from mtp.decode import cost_model  # pylint: disable=import-outside-toplevel
     model = _model(o.source)
     return cost_model.choose_tree(model, _accuracies(o.source),
@@ -346,7 +364,7 @@ def _adaptive_default_tree(o: Options) -> trees_lib.Tree:
   except (OSError, ValueError) as e:
     logging.info('auto: no measured head accuracies (%s); the heads draft a chain', e)
     return trees_lib.chain_tree(o.cfg.mtp_num_heads)
-  return _heads_tree(o, 'auto')
+  return _heads_tree(o, trees_lib.AUTO)
 
 
 def _accuracies(source) -> np.ndarray:
@@ -501,7 +519,7 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
       greedy_only=bool(greedy_only), vocab_limit=vocab_limit, banned_ids=tuple(banned),
       max_stop_ids=_check_int('max_stop_ids', max_stop_ids, 1), logprobs=logprobs,
       row_mapped=bool(exact), mesh=mesh, draft_hook=draft_hook)
-  plan_data = loop.PlanData(drafters=data, costs=jnp.zeros((len(built),), jnp.float32),
+  plan_data = PlanData(drafters=data, costs=jnp.zeros((len(built),), jnp.float32),
                             force=jnp.int32(-1), hook=hook_data)
   engine = engine_lib.Engine(source, plan, plan_data)
   if policy is not None:

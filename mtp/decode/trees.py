@@ -26,15 +26,16 @@ TreeChoice = 'Tree | str | int | Sequence[Sequence[int]] | None'
 # The tree names users pass (`tree=`, `--tree`), the one list every caller reads. The first two
 # are static (built from the model's heads alone); the others are built by the decode plan from
 # the heads' measured accuracies and this hardware's cost curve (`MEASURED`).
+CHAIN, DEFAULT, AUTO, DYNAMIC = 'chain', 'default', 'auto', 'dynamic'
 NAMES = {
-    'chain': 'every head\'s top-1 draft in a chain',
-    'default': 'a static Medusa-style tree of 24 nodes cut to the model\'s heads',
-    'auto': 'built from the heads\' measured top-k accuracies, sized by this hardware\'s '
+    CHAIN: 'every head\'s top-1 draft in a chain',
+    DEFAULT: 'a static Medusa-style tree of 24 nodes cut to the model\'s heads',
+    AUTO: 'built from the heads\' measured top-k accuracies, sized by this hardware\'s '
             'verification cost',
-    'dynamic': 'EAGLE-2: each step and row verifies the nodes its heads find most probable, '
+    DYNAMIC: 'EAGLE-2: each step and row verifies the nodes its heads find most probable, '
                'out of the best 64-node tree for their measured accuracies',
 }
-MEASURED = ('auto', 'dynamic')
+MEASURED = (AUTO, DYNAMIC)
 # A rank is an index into a head's top-k candidates: far below any vocabulary. The bound keeps
 # every array of the tree within int32.
 _MAX_RANK = 2 ** 20
@@ -459,10 +460,10 @@ def static_tree(choice, num_heads: int) -> Tree:
   if num_heads == 0:
     raise ValueError('drafting with heads needs a model with MTP heads: this model has '
                      'mtp_num_heads=0')
-  if choice is None or choice == 'chain':
+  if choice is None or choice == CHAIN:
     return chain_tree(num_heads)
   if isinstance(choice, str):
-    if choice == 'default':
+    if choice == DEFAULT:
       return medusa_default_tree(num_heads)
     if choice in MEASURED:
       raise ValueError(f'tree={choice!r} is built from measurements of the model '
