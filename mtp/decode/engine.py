@@ -178,18 +178,21 @@ class Engine:
     return _stop(state, jnp.asarray(rows))
 
   def result(self, state: loop.LoopState, pad_id: int = 0) -> DecodeResult:
-    """Every row's result so far, on the host, `pad_id` after each row's end."""
-    s = jax.device_get(state)
+    """Every row's result so far, on the host, `pad_id` after each row's end (only the result's
+    fields travel: never the cache)."""
     m = self.plan.max_new_tokens
-    n = np.asarray(s.num_generated)
-    tokens = np.where(np.arange(m)[None, :] < n[:, None], s.tokens[:, :m], pad_id)
-    out = DecodeResult(tokens=tokens.astype(np.int32), num_generated=n,
-                       num_steps=np.asarray(s.num_steps),
-                       accepted_histogram=np.asarray(s.histogram), reason=np.asarray(s.reason))
+    fields = (state.tokens[:, :m], state.num_generated, state.num_steps, state.histogram,
+              state.reason)
     if self.plan.logprobs >= 0:
-      out.logprobs = np.asarray(s.logprobs.chosen[:, :m])
-      out.top_ids = np.asarray(s.logprobs.top_ids[:, :m])
-      out.top_logprobs = np.asarray(s.logprobs.top_values[:, :m])
+      fields += (state.logprobs.chosen[:, :m], state.logprobs.top_ids[:, :m],
+                 state.logprobs.top_values[:, :m])
+    tokens, n, steps, histogram, reason, *logprobs = (np.asarray(x)
+                                                      for x in jax.device_get(fields))
+    tokens = np.where(np.arange(m)[None, :] < n[:, None], tokens, pad_id).astype(np.int32)
+    out = DecodeResult(tokens=tokens, num_generated=n, num_steps=steps,
+                       accepted_histogram=histogram, reason=reason)
+    if logprobs:
+      out.logprobs, out.top_ids, out.top_logprobs = logprobs
     return out
 
   def running(self, state: loop.LoopState) -> bool:
