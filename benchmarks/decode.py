@@ -10,14 +10,15 @@ packages the model never saw, cut at a line boundary):
   * the heads' conditional top-k accuracies, measured on the trunk's greedy continuations of
     prompts from the training corpus's validation files (other code than the test prompts);
   * for batch sizes 1 and 8 and each decoder (autoregressive; 'auto', the default, which
-    drafts its default tree (the accuracy tree below, where the heads' accuracies can be
-    measured) plus lookup drafts where the text repeats, each kind of drafting step stopping
-    where it does not pay, and 'auto' without lookup; speculative with a chain of all
-    heads, the static default tree, a tree built from the accuracies with its size chosen
-    from that batch size's cost curve, and a dynamic tree of that many nodes): mean accepted
-    tokens per loop step, tokens/s and the speedup over autoregressive decoding. Decoders take turns within each repeat, so machine
-    load hits them alike; figures are medians over repeats. Compilation is excluded
-    (`mtp.generate` warms up first).
+    drafts its default tree (the tree 'auto' builds from the same accuracies and the cached
+    cost curve, where the heads' accuracies can be measured) plus lookup drafts where the text
+    repeats, each kind of drafting step stopping where it does not pay, and 'auto' without
+    lookup; speculative with a chain of all heads, the static default tree, a tree built from
+    the accuracies with its size chosen from that batch size's cost curve, that tree with
+    --lookup prompt-lookup drafts beside it, and a dynamic tree of that many nodes): mean
+    accepted tokens per loop step, tokens/s and the speedup over autoregressive decoding.
+    Decoders take turns within each repeat, so machine load hits them alike; figures are
+    medians over repeats. Compilation is excluded (`mtp.generate` warms up first).
   * whether every speculative output equals the autoregressive one token for token.
 
 Prints a table, writes results/decode.json and a plot results/decode.png.
@@ -71,7 +72,7 @@ def measure_workdir(workdir: str) -> dict:
   if FLAGS.prompt_source == 'heldout':
     files = corpora.heldout_files()
   else:
-    # The half of the validation files that head_accuracies does not calibrate on.
+    # The half of the validation files that workdir_accuracies does not calibrate on.
     files = corpora.corpus_splits(loaded.config.data)['valid'][1::2]
   prompts = calibration.code_prompts(files, tokenizer, FLAGS.num_prompts,
                                      max_tokens=FLAGS.prompt_tokens,
@@ -82,7 +83,7 @@ def measure_workdir(workdir: str) -> dict:
   print(f'{len(prompts)} {FLAGS.prompt_source} prompts of {min(prompt_lengths)}-'
         f'{max(prompt_lengths)} tokens, {FLAGS.max_new_tokens} new tokens each', flush=True)
 
-  accuracies = mtp.api.head_accuracies(loaded)
+  accuracies = calibration.workdir_accuracies(loaded)
   print('head accuracies (rows: heads 1..D, columns: top-k rank, given the earlier drafts were '
         'right):\n' + np.array2string(accuracies, precision=3), flush=True)
 
@@ -97,7 +98,7 @@ def measure_workdir(workdir: str) -> dict:
 
   default_tree = trees.medusa_default_tree(num_heads)
   # name: (decoder, tree, lookup[, tree_budget]); lookup None: the decoder's default ('auto':
-  # 8 greedy).
+  # 8 drafts; 'speculative': none, the heads draft alone).
   decoders = {b: {'autoregressive': ('autoregressive', None, None),
                   'auto (own tree + lookup)': ('auto', None, None),
                   'auto heads only (own tree)': ('auto', None, 0),
@@ -113,7 +114,7 @@ def measure_workdir(workdir: str) -> dict:
     decoders[b][f'dynamic tree ({budget} of 64)'] = ('speculative', 'dynamic', 0, budget)
     if FLAGS.lookup:
       decoders[b][f'accuracy tree + lookup ({auto_trees[b].num_nodes} + {FLAGS.lookup})'] = (
-          'speculative', trees.with_lookup(auto_trees[b], FLAGS.lookup), None)
+          'speculative', auto_trees[b], FLAGS.lookup)
 
   runs = {b: {name: [] for name in decoders[b]} for b in batch_sizes}
   for repeat in range(FLAGS.repeats):
@@ -145,17 +146,17 @@ def measure_workdir(workdir: str) -> dict:
         row['verify_cost'] = float(np.interp(budget[0], list(cost[b]['relative']),
                                              list(cost[b]['relative'].values())))
       elif tree is not None:
-        row['tree_nodes'] = tree.num_nodes
+        row['tree_nodes'] = tree.num_nodes + (lookup or 0)  # A block: heads' nodes + lookup's.
         row['tree_choices'] = [list(c) for c in tree.choices]
-      # 'auto' without a tree picks its own (`mtp.api._adaptive_default_tree`).
-      if decoder != 'autoregressive' and not budget and not (decoder == 'auto' and tree is None):
-        tree_used = tree or trees.chain_tree(num_heads)
-        if decoder == 'auto' and lookup is None:  # Its default lookup chain, on demand.
-          tree_used = trees.with_lookup(tree_used, 8)
-        if (not tree_used.lookup_depth and tree_used.max_depth <= accuracies.shape[0]
-            and max(tree_used.topk_per_depth) <= accuracies.shape[1]):
-          row['predicted_accepted'] = 1 + trees.expected_accepted_length(tree_used, accuracies)
-        row['verify_cost'] = float(np.interp(tree_used.num_nodes, list(cost[b]['relative']),
+      # 'auto' picks its own tree and drafts lookup only where it is ready (`plan.resolve`,
+      # `decode.auto`): no fixed block to predict or cost.
+      if decoder == 'speculative' and not budget:
+        heads_tree = tree or trees.chain_tree(num_heads)
+        if (not lookup and heads_tree.max_depth <= accuracies.shape[0]
+            and max(heads_tree.topk_per_depth) <= accuracies.shape[1]):
+          row['predicted_accepted'] = 1 + trees.expected_accepted_length(heads_tree, accuracies)
+        row['verify_cost'] = float(np.interp(heads_tree.num_nodes + (lookup or 0),
+                                             list(cost[b]['relative']),
                                              list(cost[b]['relative'].values())))
       rows.append(row)
   batch_equal = None

@@ -83,41 +83,48 @@ def _timed(run, repeats: int):
   return best, out
 
 
-def decode_rows(model, prompts, lengths, decoders: dict, *, max_new_tokens: int,
+def decode_rows(source, prompts, lengths, decoders: dict, *, max_new_tokens: int,
                 repeats: int) -> list[dict]:
   """Times each decoder on one batch; the first must be autoregressive (the reference).
 
-  decoders: name -> make_request options (plus 'oracle': True to feed the reference as drafts).
+  source: a model or a `LoadedModel` (`plan.resolve`'s source).
+  decoders: name -> `plan.resolve` options, 'decoder' among them (plus 'oracle': True to feed
+    the reference as drafts). Rows are greedy and never stop early (no stop id): every
+    decoder makes `max_new_tokens` per row. The time is the prefill and the loop on the
+    device (`Engine.prefill`, `Engine.step`), not the copy of the result to the host.
   Returns one row per decoder: tokens/s, tokens per step, speedup, whether outputs match.
   """
   import jax
   import numpy as np
-  from mtp.decode import driver
-  from mtp.decode import request as request_lib
-  from mtp.decode import state as state_lib
-  prepared = state_lib.prepare(model)
+  from mtp.decode import plan as plan_lib
+  from mtp.decode import settings as settings_lib
+  b = int(prompts.shape[0])
   rows, reference, ref_seconds = [], None, None
   for name, options in decoders.items():
     options = dict(options)
-    hook_data = None
+    decoder = options.pop('decoder')
     if options.pop('oracle', False):
       depth = int(options['tree'])
       options['draft_hook'] = OracleChain(depth)
       pad = np.zeros((reference.shape[0], depth + 1), np.int32)
-      hook_data = {'ref': jax.numpy.asarray(np.concatenate([reference, pad], axis=1))}
-    request = request_lib.make_request(model.cfg, prompts.shape[1],
-                                       max_new_tokens=max_new_tokens, **options)
-    seconds, out = _timed(lambda: driver.decode(prepared, prompts, lengths, request,
-                                                hook_data=hook_data), repeats)
-    out = jax.device_get(out)
+      ref = np.concatenate([reference, pad], axis=1)
+      options['hook_data'] = {'ref': jax.numpy.asarray(ref)}
+    engine = plan_lib.resolve(source, decoder, max_new_tokens=max_new_tokens,
+                              prompt_width=prompts.shape[1], batch_size=b, greedy_only=True,
+                              **options)
+    settings = engine.settings([settings_lib.Sampling(max_tokens=max_new_tokens)] * b)
+    seconds, state = _timed(
+        lambda: engine.step(engine.prefill(prompts, lengths, settings), max_new_tokens),
+        repeats)
+    out = engine.result(state)
     tokens = np.asarray(out.tokens)
     generated = int(np.sum(out.num_generated))
     steps = int(np.sum(out.num_steps))
     if reference is None:
       reference, ref_seconds = tokens, seconds
-    rows.append(dict(decoder=name, batch_size=int(prompts.shape[0]), seconds=seconds,
+    rows.append(dict(decoder=name, batch_size=b, seconds=seconds,
                      tokens_per_sec=generated / seconds,
-                     tokens_per_step=(generated - prompts.shape[0]) / max(steps, 1),
+                     tokens_per_step=(generated - b) / max(steps, 1),
                      speedup=ref_seconds / seconds,
                      outputs_match=bool(np.array_equal(tokens, reference)),
                      rows_matching=int(np.sum(np.all(tokens == reference, axis=1)))))
@@ -159,7 +166,6 @@ def measure_demo_model(workdir: str, batch_sizes, prompt_tokens: int, max_new_to
   from mtp.data import corpora
   from mtp.decode import calibration
   from mtp.decode import state as state_lib
-  from mtp.decode import trees
   loaded = mtp.load(workdir)
   model, tokenizer = loaded.model, loaded.tokenizer
   try:
@@ -171,16 +177,15 @@ def measure_demo_model(workdir: str, batch_sizes, prompt_tokens: int, max_new_to
   num_heads = model.mtp_num_heads
   decoders = {'autoregressive': dict(decoder='autoregressive'),
               f'heads chain {num_heads}': dict(decoder='speculative', tree=num_heads),
-              'default tree': dict(decoder='speculative',
-                                   tree=trees.medusa_default_tree(num_heads)),
+              'default tree': dict(decoder='speculative', tree='default'),
               f'chain + lookup {lookup}': dict(decoder='speculative', tree=num_heads,
                                                lookup=lookup)}
   result = {'workdir': str(workdir), 'step': loaded.step,
             'dtype': str(model.cfg.trunk.dtype), 'decoding': []}
   for b in batch_sizes:
     encoded = [tokenizer.encode(p) for p in prompts[:b]]
-    padded, lengths = state_lib.pad_prompts(encoded, tokenizer.pad_id, multiple=32)
-    result['decoding'] += decode_rows(model, padded, lengths, decoders,
+    padded, lengths = state_lib.pad_prompts(encoded, tokenizer.pad_id)
+    result['decoding'] += decode_rows(loaded, padded, lengths, decoders,
                                       max_new_tokens=max_new_tokens, repeats=repeats)
   return result
 

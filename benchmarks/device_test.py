@@ -6,13 +6,11 @@ import pathlib
 import subprocess
 import sys
 
-from mtp.train import testing
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_tiny_run_writes_every_figure(tmp_path):
-  demo = testing.train_tiny_workdir(tmp_path / 'demo')
+def test_tiny_run_writes_every_figure(tiny_workdir, tmp_path):
+  demo = tiny_workdir
   env = dict(os.environ, PYTHON=sys.executable, RESULTS=str(tmp_path / 'results'),
              OUT=str(tmp_path), JAX_PLATFORMS='cpu')
   env.pop('XLA_FLAGS', None)

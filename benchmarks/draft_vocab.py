@@ -13,8 +13,8 @@ its own tree and lookup drafts) drafting over N ids:
   * tokens per loop step, and how many of the autoregressive output's tokens lie inside the
     draft vocabulary (drafts of other tokens are impossible, an upper bound on acceptance);
   * seconds per drafting step of the chain (or --tree) relative to a one-token
-    (autoregressive) step, timed on the compiled loops (`driver.seconds_per_step`) over the
-    first kind's prompts, in rounds where each loop takes its turn, the median ratio of
+    (autoregressive) step, timed on the compiled loops (`Engine.seconds_per_step`, greedy rows)
+    over the first kind's prompts, in rounds where each loop takes its turn, the median ratio of
     --step_repeats rounds;
   * tokens/s and the speedup over autoregressive decoding; decoders take turns within each
     repeat so that machine load hits them alike; medians over --repeats;
@@ -65,40 +65,36 @@ def _tokens_per_sec(generations, batch_size: int) -> float:
 
 
 def _step_costs(loaded, prompts, batch_size: int, sizes: list[int], tree) -> dict[int, float]:
-  """Seconds per drafting step / seconds per autoregressive step, per draft vocabulary size."""
-  from mtp.decode import driver
-  from mtp.decode import request as request_lib
+  """Seconds per drafting step / seconds per autoregressive step, per draft vocabulary size.
+
+  Each step is timed on the compiled loop that decodes (`Engine.seconds_per_step`: greedy rows,
+  the kind of step forced): the drafting step (kind 1) of a speculative engine drafting over
+  N ids with `tree`, and the one-token step of the autoregressive engine."""
+  from mtp.decode import plan as plan_lib
   from mtp.decode import state as state_lib
-  import mtp
 
-  tokenizer, model = loaded.tokenizer, loaded.model
+  tokenizer = loaded.tokenizer
   rows = (prompts * batch_size)[:batch_size]
-  # Padded as mtp.generate pads them: the same compiled loops.
-  padded, lengths = state_lib.pad_prompts(
-      tokenizer.encode_batch(rows), tokenizer.pad_id,
-      multiple=mtp.api._PROMPT_WIDTH_MULTIPLE)  # pylint: disable=protected-access
-  prepared = state_lib.prepare(model)
-  common = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                **mtp.api._emittable(tokenizer, model.cfg))  # pylint: disable=protected-access
-
-  def seconds(request, ids=None, warm_up=False):
-    return driver.seconds_per_step(prepared, padded, lengths, request, drafting=True,
-                                   repeats=1, warm_up=warm_up, draft_vocab=ids)
-
-  configs = {'one_token': (request_lib.make_request(model.cfg, padded.shape[1],
-                                                  decoder='autoregressive', **common), None)}
+  padded, lengths = state_lib.pad_prompts(tokenizer.encode_batch(rows), tokenizer.pad_id)
+  # As mtp.generate resolves them: the same compiled loops.
+  common = dict(max_new_tokens=FLAGS.max_new_tokens, batch_size=batch_size,
+                prompt_width=padded.shape[1], greedy_only=not FLAGS.temperature)
+  engines = {'one_token': (plan_lib.resolve(loaded, 'autoregressive', **common), 0)}
   for n in sizes:
-    configs[n] = (request_lib.make_request(model.cfg, padded.shape[1], decoder='speculative',
-                                           tree=tree, draft_vocab_size=n, **common),
-                  mtp.api.draft_vocabulary(loaded, n) if n else None)
-  for request, ids in configs.values():  # Compiled (and timed once, untimed) first.
-    seconds(request, ids, warm_up=True)
+    engines[n] = (plan_lib.resolve(loaded, 'speculative', tree=tree, lookup=0, draft_vocab=n,
+                                   **common), 1)
+
+  def seconds(engine, kind):
+    return engine.seconds_per_step(padded, lengths, kind=kind)
+
+  for config in engines.values():  # Compiled (and timed once, untimed) first.
+    seconds(*config)
   # Rounds in which every loop takes its turn, so that load from other work hits them alike;
   # the median ratio over the rounds counts.
   ratios = {n: [] for n in sizes}
   one_token_runs = []
   for _ in range(FLAGS.step_repeats):
-    timed = {key: seconds(*config) for key, config in configs.items()}
+    timed = {key: seconds(*config) for key, config in engines.items()}
     one_token_runs.append(timed['one_token'])
     for n in sizes:
       ratios[n].append(timed[n] / timed['one_token'])
@@ -111,13 +107,15 @@ def _step_costs(loaded, prompts, batch_size: int, sizes: list[int], tree) -> dic
 def measure() -> dict:
   import mtp
   from mtp.decode import cost_model
-  from mtp.decode import trees
+  from mtp.decode import draft_vocab as draft_vocab_lib
 
   loaded = mtp.load(FLAGS.workdir)
   model, tokenizer = loaded.model, loaded.tokenizer
   vocab_size = model.cfg.trunk.vocab_size
   sizes = [int(s) for s in FLAGS.sizes]
-  tree = None if FLAGS.tree == 'chain' else trees.medusa_default_tree(model.mtp_num_heads)
+  # A name of `trees.NAMES` for the plan; 'chain' is speculative's default, and None leaves
+  # 'auto' its own tree.
+  tree = None if FLAGS.tree == 'chain' else FLAGS.tree
   prompts = {kind: heldout_prompts.of_kind(kind, tokenizer, FLAGS.num_prompts,
                                            FLAGS.prompt_tokens) for kind in FLAGS.kinds}
   drafting = ('auto, its own tree and lookup' if FLAGS.decoder == 'auto'
@@ -130,7 +128,7 @@ def measure() -> dict:
   print(f'load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}',
         flush=True)
   start = time.perf_counter()
-  counts_ids = mtp.api.draft_vocabulary(loaded, max(max(sizes), 1))  # Counts (cached) first.
+  counts_ids = draft_vocab_lib.draft_vocabulary(loaded, max(max(sizes), 1))  # Counts first.
   print(f'token counts ready in {time.perf_counter() - start:.1f}s', flush=True)
   del counts_ids
 
@@ -182,7 +180,7 @@ def measure() -> dict:
       if decoder != 'autoregressive':
         size = n or vocab_size
         row['step_cost'] = costs[b][n or 0]
-        ids = set(mtp.api.draft_vocabulary(loaded, size).tolist())
+        ids = set(draft_vocab_lib.draft_vocabulary(loaded, size).tolist())
         row['reference_tokens_in_vocab'] = (sum(t in ids for t in reference_tokens) /
                                             max(len(reference_tokens), 1))
       rows.append(row)

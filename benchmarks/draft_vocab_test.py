@@ -13,12 +13,10 @@ FLAGS = flags.FLAGS
 
 @pytest.mark.slow
 @flagsaver.flagsaver
-def test_auto_over_code_and_prose_is_exact_and_counts_the_vocabulary(tmp_path):
-  from mtp.train import testing
-  workdir = testing.train_tiny_workdir(tmp_path / 'tiny')
+def test_auto_over_code_and_prose_is_exact_and_counts_the_vocabulary(tiny_workdir, tmp_path):
   out = tmp_path / 'draft_vocab.json'
   FLAGS.unparse_flags()
-  FLAGS(['draft_vocab', f'--workdir={workdir}', '--decoder=auto', '--kinds=code,prose',
+  FLAGS(['draft_vocab', f'--workdir={tiny_workdir}', '--decoder=auto', '--kinds=code,prose',
          '--sizes=16,0', '--batch_sizes=1', '--num_prompts=1', '--prompt_tokens=64',
          '--max_new_tokens=6', '--repeats=1', '--step_repeats=1', f'--output={out}'])
   draft_vocab.main(['draft_vocab'])

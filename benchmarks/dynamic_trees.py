@@ -65,7 +65,7 @@ def main(argv):
                                      max_tokens=1024, min_tokens=FLAGS.prompt_chars // 16,
                                      max_chars=FLAGS.prompt_chars)
   lengths = [len(tokenizer.encode(p)) for p in prompts]
-  accuracies = mtp.api.head_accuracies(loaded)
+  accuracies = calibration.workdir_accuracies(loaded)
   print(f'{FLAGS.workdir}: {loaded.model.mtp_num_heads} {loaded.model.cfg.mtp_head_type} heads; '
         f'{len(prompts)} held-out prompts of {min(lengths)}-{max(lengths)} tokens, '
         f'{FLAGS.max_new_tokens} new', flush=True)

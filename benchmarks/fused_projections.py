@@ -37,8 +37,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import jax
   import numpy as np
-  from mtp.decode import driver
-  from mtp.decode import request as request_lib
+  from mtp.decode import plan as plan_lib
+  from mtp.decode import settings as settings_lib
   from mtp.decode import state as state_lib
 
   if FLAGS.model == 'smollm2':
@@ -53,17 +53,23 @@ def main(argv):
         0, model.cfg.trunk.vocab_size, (b, FLAGS.prompt_tokens)).astype(np.int32)
     lengths = np.full(b, FLAGS.prompt_tokens, np.int32)
     for decoder in ('autoregressive', 'speculative'):
-      request = request_lib.make_request(model.cfg, FLAGS.prompt_tokens,
-                                         max_new_tokens=FLAGS.max_new_tokens, decoder=decoder)
-      tokens = {fuse: np.asarray(driver.decode(p, prompts, lengths, request).tokens)
-                for fuse, p in prepared.items()}  # Compiles both.
+      engines = {fuse: plan_lib.resolve(p, decoder, max_new_tokens=FLAGS.max_new_tokens,
+                                        prompt_width=FLAGS.prompt_tokens, batch_size=b,
+                                        greedy_only=True)
+                 for fuse, p in prepared.items()}
+      settings = engines[False].settings(
+          [settings_lib.Sampling(max_tokens=FLAGS.max_new_tokens)] * b)
+
+      def decode(engine):
+        return engine.step(engine.prefill(prompts, lengths, settings), FLAGS.max_new_tokens)
+      tokens = {fuse: e.result(decode(e)).tokens for fuse, e in engines.items()}  # Compiles.
       best = {False: float('inf'), True: float('inf')}
       for _ in range(FLAGS.repeats):
-        for fuse, p in prepared.items():
+        for fuse, engine in engines.items():
           start = time.perf_counter()
-          out = jax.block_until_ready(driver.decode(p, prompts, lengths, request))
-          best[fuse] = min(best[fuse],
-                           (time.perf_counter() - start) / int(np.max(out.num_steps)))
+          state = jax.block_until_ready(decode(engine))
+          best[fuse] = min(best[fuse], (time.perf_counter() - start)
+                           / int(np.max(jax.device_get(state.num_steps))))
       row = dict(batch_size=b, decoder=decoder, unfused_ms_per_step=best[False] * 1e3,
                  fused_ms_per_step=best[True] * 1e3, ratio=best[True] / best[False],
                  same_tokens=bool(np.array_equal(tokens[False], tokens[True])))

@@ -3,14 +3,14 @@ r"""How many prompt-lookup drafts greedy verification accepts, by the length of 
   python -m benchmarks.lookup_keys [--workdir=workdirs/code_small] [--num_prompts=8] \
       [--new_tokens=128] [--lookup=8]
 
-The 'auto' decoder verifies lookup drafts only in steps where some row's key (the n-gram whose
-earlier occurrence was copied) is at least `request.LOOKUP_MIN_KEY` tokens long. This measures
-what that threshold trades: the model greedily continues prompts cut from the validation half
-of its own corpus that `head_accuracies` does not read (unseen files, never the benchmarks'
-held-out prompts), and at every position of each continuation the lookup drafts proposed there
-are compared with the tokens that follow. Prints, for each key length, how often it occurs and
-the mean number of the drafts accepted (the longest matching prefix), with the break-even the
-'auto' decoder measured for the whole block against the heads' block where it is cached.
+The 'auto' decoder counts a row's lookup drafts as ready (`drafters.Drafter.ready`) only where
+the key that matched (the n-gram whose earlier occurrence was copied) is at least
+`drafters.lookup.MIN_KEY` tokens long. This measures what that threshold trades: the model
+greedily continues prompts cut from the validation half of its own corpus that
+`calibration.workdir_accuracies` does not read (unseen files, never the benchmarks' held-out
+prompts), and at every position of each continuation the lookup drafts proposed there are
+compared with the tokens that follow. Prints, for each key length, how often it occurs, the mean
+number of the drafts accepted (the longest matching prefix) and how often all were.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def accepted_by_key(sequences, starts, ends, lookup: int):
   """
   import jax.numpy as jnp
   import numpy as np
-  from mtp.decode import lookup as lookup_lib
+  from mtp.decode.drafters import lookup as lookup_lib
   sequences = np.asarray(sequences)
   out: dict[int, list[int]] = {}
   for row in range(sequences.shape[0]):
@@ -60,10 +60,11 @@ def main(argv):
   import numpy as np
   import mtp
   from mtp.data import corpora
-  from mtp.decode import autoregressive
   from mtp.decode import calibration
-  from mtp.decode import request as request_lib
+  from mtp.decode import plan as plan_lib
+  from mtp.decode import settings as settings_lib
   from mtp.decode import state as state_lib
+  from mtp.decode.drafters import lookup as lookup_lib
 
   loaded = mtp.load(FLAGS.workdir)
   tokenizer = loaded.tokenizer
@@ -72,8 +73,13 @@ def main(argv):
       files, tokenizer, FLAGS.num_prompts, max_tokens=FLAGS.prompt_tokens,
       min_tokens=FLAGS.prompt_tokens // 2)]
   padded, lengths = state_lib.pad_prompts(prompts, tokenizer.pad_id)
-  out = autoregressive.generate(loaded.model, padded, lengths, max_new_tokens=FLAGS.new_tokens,
-                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  engine = plan_lib.resolve(loaded, 'autoregressive', max_new_tokens=FLAGS.new_tokens,
+                            prompt_width=padded.shape[1], batch_size=len(prompts),
+                            greedy_only=True)
+  stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+  out = engine.generate(padded, lengths, engine.settings(
+      [settings_lib.Sampling(max_tokens=FLAGS.new_tokens, stop_ids=stop)] * len(prompts)),
+      pad_id=tokenizer.pad_id)
   sequences = np.full((len(prompts), padded.shape[1] + FLAGS.new_tokens), tokenizer.pad_id)
   ends = []
   for row, prompt in enumerate(prompts):
@@ -85,7 +91,7 @@ def main(argv):
   total = sum(len(v) for v in table.values())
   print(f'\n{FLAGS.workdir} (step {loaded.step}): {len(prompts)} validation prompts, '
         f'{FLAGS.new_tokens} greedy tokens each, {FLAGS.lookup} lookup drafts per position; '
-        f'the threshold now: key >= {request_lib.LOOKUP_MIN_KEY}')
+        f'the threshold now: key >= {lookup_lib.MIN_KEY}')
   print(f'{"key length":>10} {"positions":>10} {"share":>6} {"accepted (mean)":>16} '
         f'{"all accepted":>13}')
   for key in sorted(table):

@@ -201,15 +201,13 @@ def mtp_decoder(loaded, decoder: str, tree=None, lookup: int | None = 0) -> Deco
 
 
 def mtp_tree(loaded, batch_size: int):
-  """The tree mtp.generate(tree=FLAGS.tree) would use at this batch size, resolved once."""
-  import mtp
-  from mtp.decode import cost_model
-  from mtp.decode import trees
-  model = loaded.model
-  if FLAGS.tree == 'default':
-    return trees.medusa_default_tree(model.mtp_num_heads)
-  return cost_model.choose_tree(model, mtp.api.head_accuracies(loaded),
-                                cost=cost_model.step_cost(model, batch_size=batch_size))
+  """The heads' tree mtp.generate(tree=FLAGS.tree) resolves at this batch size, resolved once
+  (`plan.resolve`: 'auto' from the heads' measured accuracies and this machine's cost curve,
+  both cached)."""
+  from mtp.decode import plan as plan_lib
+  engine = plan_lib.resolve(loaded, 'speculative', max_new_tokens=FLAGS.max_new_tokens,
+                            batch_size=batch_size, tree=FLAGS.tree, lookup=0, draft_vocab=0)
+  return engine.plan.block(1)[0]  # Kind 1: the heads' drafter alone.
 
 
 def decoders_by_batch(hf_model, hf_pad_id: int, loaded, batch_sizes) -> dict:

@@ -63,18 +63,16 @@ def test_mismatches_name_the_first_difference():
 
 @pytest.mark.slow
 @flagsaver.flagsaver
-def test_end_to_end_on_a_tiny_model(tmp_path):
+def test_end_to_end_on_a_tiny_model(tiny_workdir, tmp_path):
   pytest.importorskip('torch')
   pytest.importorskip('transformers')
   from mtp.pretrained import smollm2
-  from mtp.train import testing
   try:
     gguf = smollm2.fetch_gguf()
   except RuntimeError as e:
     pytest.skip(f'SmolLM2 GGUF not available: {e}')
-  workdir = testing.train_tiny_workdir(tmp_path / 'tiny')
   out = tmp_path / 'results'
-  _parse([f'--workdir={workdir}', f'--gguf={gguf}', '--num_prompts=1', '--prompt_tokens=64',
+  _parse([f'--workdir={tiny_workdir}', f'--gguf={gguf}', '--num_prompts=1', '--prompt_tokens=64',
           '--max_new_tokens=4', '--repeats=1', '--batch_sizes=1,2', '--tree=default',
           f'--output={out}/peer.json', f'--table={out}/peer.md', f'--plot={out}/peer.png'])
   peer.main(['peer'])

@@ -82,8 +82,8 @@ def main(argv):
   if chromium() is None:
     raise SystemExit('serve_page: no chromium on PATH (apt-get install chromium)')
   loaded = mtp.load(FLAGS.workdir)
-  warmup = [(d, FLAGS.max_tokens) for d in ('autoregressive', 'speculative')]
-  with server.running(loaded, max_batch=1, warmup=warmup) as (url, _):
+  with server.running(loaded, max_batch=1) as (url, batcher):  # Every decoder, compiled first.
+    batcher.warm.wait()
     shown = drive(url, FLAGS.prompt, FLAGS.max_tokens, pathlib.Path(FLAGS.output))
     for decoder, panel in shown.items():
       same = panel['completion'] == api_completion(url, FLAGS.prompt, FLAGS.max_tokens, decoder)

@@ -22,6 +22,7 @@ from ml_collections import config_flags
 
 import launch
 from launch import cli
+from mtp.decode import trees  # No JAX: the tree names and their parser.
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/code_small.py', 'Training config file.')
@@ -30,8 +31,9 @@ flags.DEFINE_integer('heldout_batches', 8, 'Batches of held-out code to evaluate
 flags.DEFINE_integer('decode_prompts', 8, 'Held-out code prompts to decode (0: skip decoding).')
 flags.DEFINE_integer('decode_tokens', 128, 'Tokens to generate per prompt.')
 flags.DEFINE_integer('prompt_chars', 2000, 'Characters per prompt: its first lines of code.')
-flags.DEFINE_string('decode_tree', None, 'Speculative candidates: chain, default or auto; unset: '
-                    'each decoder\'s own (a chain for speculative, auto\'s tree for auto).')
+flags.DEFINE_string('decode_tree', None, f'Speculative candidates: {", ".join(trees.NAMES)} or '
+                    'JSON rank paths; unset: each decoder\'s own (a chain for speculative, '
+                    'auto\'s tree for auto).')
 
 
 def print_learning_curve(records: list[dict], num_heads: int, rows: int = 12) -> None:
@@ -78,8 +80,8 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
   plt.close(fig)
 
 
-def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree: str | None,
-                     prompt_chars: int) -> bool:
+def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree, prompt_chars: int
+                     ) -> bool:
   """Greedy batch-1 decoding of held-out code with each decoder; True if outputs matched.
 
   'auto' (the default of `mtp.generate`) drafts like 'speculative' (with `tree` None, the tree
@@ -166,7 +168,7 @@ def main(argv):
           f'(teacher-forced), {1 + heldout["acceptance_proxy"]:.2f} tokens per step')
   if FLAGS.decode_prompts > 0 and num_heads > 0:
     if not compare_decoders(loaded, FLAGS.decode_prompts, FLAGS.decode_tokens,
-                            FLAGS.decode_tree, FLAGS.prompt_chars):
+                            trees.parse(FLAGS.decode_tree), FLAGS.prompt_chars):
       raise SystemExit('speculative and autoregressive outputs differ')
 
 
