@@ -1,15 +1,25 @@
 r"""The server under load: throughput and latency, speculative and autoregressive side by side.
 
-  python -m benchmarks.serve_load [--workdir=workdirs/code_small] [--concurrency=1,8,32]
+  python -m benchmarks.serve_load [--workdir=workdirs/code_small] [--concurrency=1,8,32] \
+      [--settings=identical,mixed]
 
-Starts `launch.serve`'s server in this process on a free localhost port, then for each
-concurrency level C, with the two decoders taking turns (so machine load hits them alike):
-C clients send `--requests` greedy, non-streamed completions of held-out code prompts (the
-first lines of installed non-stdlib packages, at most `--prompt_tokens`, so one prompt-width
-bucket), each waiting for its answer before sending the next. Reported per level and decoder:
-completion tokens/s over the wall time, p50 and p99 request latency, tokens per verification
-step, and whether every speculative completion equals the autoregressive one. Compilation is
-excluded (the server compiles both decoders before the timed runs).
+Starts `launch.serve`'s server in this process on a free localhost port (its batcher compiles
+every served decoder at start), then for each concurrency level C, each kind of client
+(`--settings`) and the two decoders taking turns (so machine load hits them alike): C clients
+send `--requests` non-streamed completions of held-out code prompts (the first lines of
+installed non-stdlib packages, at most `--prompt_tokens`), each waiting for its answer before
+sending the next. Clients of kind
+  * identical: every request greedy, `--max_tokens` tokens;
+  * mixed: each request draws its own settings (the same draws for both decoders): a
+    temperature of `--mixed_temperatures`, a top_p of `--mixed_top_p`, max_tokens in
+    [`--mixed_min_tokens`, `--mixed_max_tokens`] and a seed: settings are row data in the
+    server's batches, so any mix shares one compiled decoder.
+Reported per level, kind and decoder: completion tokens/s over the wall time, p50 and p99
+request latency, tokens per verification step, and whether every greedy speculative completion
+equals the autoregressive one (sampled ones are equal in distribution only). Compilation is
+excluded: the server's compilation counter (`mtp_compilations_total` in /metrics) is read once
+it is warm and after every run, and must not move (reported, and printed as a warning if it
+does).
 
 Writes results/serve_load.json and results/serve_load.png.
 """
@@ -19,6 +29,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import pathlib
+import random
+import re
 import statistics
 import time
 
@@ -28,10 +40,18 @@ from absl import flags
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', 'workdirs/code_small', 'Trained workdir.')
 flags.DEFINE_list('concurrency', ['1', '8', '32'], 'Concurrent clients, one level each.')
-flags.DEFINE_integer('requests', 64, 'Requests per level and decoder.')
+flags.DEFINE_list('settings', ['identical', 'mixed'], 'Kinds of clients (see the module '
+                  'docstring): identical (greedy, --max_tokens) and/or mixed (drawn per '
+                  'request).')
+flags.DEFINE_integer('requests', 64, 'Requests per level, kind of client and decoder.')
 flags.DEFINE_integer('num_prompts', 16, 'Distinct prompts (requests cycle through them).')
 flags.DEFINE_integer('prompt_tokens', 32, 'Prompts hold as many whole lines as fit.')
-flags.DEFINE_integer('max_tokens', 64, 'max_tokens of every request.')
+flags.DEFINE_integer('max_tokens', 64, 'max_tokens of every request of identical clients.')
+flags.DEFINE_list('mixed_temperatures', ['0', '0.3', '0.7', '1.0'],
+                  'Temperatures mixed clients draw from.')
+flags.DEFINE_list('mixed_top_p', ['0.9', '1'], 'top_p values mixed clients draw from.')
+flags.DEFINE_integer('mixed_min_tokens', 16, 'Mixed clients\' max_tokens: at least this.')
+flags.DEFINE_integer('mixed_max_tokens', 128, 'Mixed clients\' max_tokens: at most this.')
 flags.DEFINE_integer('max_batch', 8, 'The server\'s --max_batch.')
 flags.DEFINE_float('max_wait_ms', 5.0, 'The server\'s --max_wait_ms.')
 flags.DEFINE_bool('exact', True, 'The server\'s --exact (row-mapped batches).')
@@ -39,6 +59,7 @@ flags.DEFINE_string('output', 'results/serve_load.json', 'JSON results.')
 flags.DEFINE_string('plot', 'results/serve_load.png', 'Plot.')
 
 DECODERS = ('speculative', 'autoregressive')
+SETTINGS = ('identical', 'mixed')
 
 
 def prompts_for(loaded) -> list[str]:
@@ -65,31 +86,53 @@ def prompts_for(loaded) -> list[str]:
   return prompts
 
 
-def run_level(url: str, prompts: list[str], decoder: str, clients: int) -> dict:
-  """`FLAGS.requests` requests from `clients` closed-loop clients; figures and outputs."""
+def request_settings(kind: str, i: int) -> dict:
+  """Request i's decoding fields for clients of `kind`: the same for every decoder and level
+  (mixed draws are seeded by i)."""
+  if kind == 'identical':
+    return dict(max_tokens=FLAGS.max_tokens, temperature=0)
+  rng = random.Random(i)
+  return dict(temperature=float(rng.choice(FLAGS.mixed_temperatures)),
+              top_p=float(rng.choice(FLAGS.mixed_top_p)),
+              max_tokens=rng.randint(FLAGS.mixed_min_tokens, FLAGS.mixed_max_tokens), seed=i)
+
+
+def compilations(url: str) -> int:
+  """The server's `mtp_compilations_total`: decoder programs compiled since it started."""
   import httpx2 as httpx
+  text = httpx.get(url + '/metrics', timeout=60).text
+  return int(re.search(r'^mtp_compilations_total (\d+)$', text, re.MULTILINE).group(1))
+
+
+def run_level(url: str, prompts: list[str], decoder: str, clients: int, kind: str,
+              requests: int | None = None) -> dict:
+  """`requests` (default `FLAGS.requests`) requests from `clients` closed-loop clients of
+  `kind`; figures and outputs (request index -> (temperature, tokens))."""
+  import httpx2 as httpx
+  requests = FLAGS.requests if requests is None else requests
   sessions = [httpx.Client(base_url=url, timeout=600) for _ in range(clients)]
   latencies, outputs, errors = [], {}, 0
   tokens = steps = 0
-  next_index = iter(range(FLAGS.requests))
+  next_index = iter(range(requests))
 
   def client_loop(session):
     nonlocal errors, tokens, steps
     for i in next_index:  # Shared iterator: clients take the next request as they free up.
       prompt = prompts[i % len(prompts)]
+      fields = request_settings(kind, i)
       start = time.perf_counter()
-      r = session.post('/v1/completions', json=dict(
-          model='mtp', prompt=prompt, max_tokens=FLAGS.max_tokens, temperature=0,
-          decoder=decoder))
+      r = session.post('/v1/completions', json=dict(model='mtp', prompt=prompt,
+                                                     decoder=decoder, **fields))
       latencies.append(time.perf_counter() - start)
       if r.status_code != 200:
         errors += 1
         continue
       body = r.json()
-      outputs[prompt] = body['mtp']['tokens']
+      outputs[i] = (fields['temperature'], body['mtp']['tokens'])
       tokens += body['usage']['completion_tokens']
       steps += body['usage']['num_steps']
 
+  before = compilations(url)
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(clients) as pool:
     list(pool.map(client_loop, sessions))
@@ -97,51 +140,76 @@ def run_level(url: str, prompts: list[str], decoder: str, clients: int) -> dict:
   for s in sessions:
     s.close()
   latencies.sort()
-  return dict(decoder=decoder, concurrency=clients, requests=FLAGS.requests, errors=errors,
-              seconds=wall, completion_tokens=tokens, tokens_per_sec=tokens / wall,
+  return dict(decoder=decoder, settings=kind, concurrency=clients, requests=requests,
+              errors=errors, seconds=wall, completion_tokens=tokens,
+              tokens_per_sec=tokens / wall,
               p50_latency_s=statistics.median(latencies),
               p99_latency_s=latencies[min(len(latencies) - 1,
                                           int(round(0.99 * (len(latencies) - 1))))],
               # The first token of each request comes from the prefill, not a step.
-              tokens_per_step=(tokens - (FLAGS.requests - errors)) / max(steps, 1),
-              outputs=outputs)
+              tokens_per_step=(tokens - (requests - errors)) / max(steps, 1),
+              compilations=compilations(url) - before, outputs=outputs)
 
 
 def measure() -> dict:
   import mtp
   from mtp.serving import server
+  unknown = [k for k in FLAGS.settings if k not in SETTINGS]
+  if unknown or not FLAGS.settings:
+    raise app.UsageError(f'--settings takes {", ".join(SETTINGS)}, got {FLAGS.settings}')
   loaded = mtp.load(FLAGS.workdir)
   prompts = prompts_for(loaded)
   lengths = [len(loaded.tokenizer.encode(p)) for p in prompts]
   print(f'{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, max_tokens '
-        f'{FLAGS.max_tokens}, {FLAGS.requests} requests per level', flush=True)
+        f'{FLAGS.max_tokens} (identical) or {FLAGS.mixed_min_tokens}-{FLAGS.mixed_max_tokens} '
+        f'(mixed), {FLAGS.requests} requests per level', flush=True)
   levels = [int(c) for c in FLAGS.concurrency]
   rows = []
-  with server.running(loaded, max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms,
-                      max_queue=max(levels) * 4, exact=FLAGS.exact,
-                      warmup=[(d, FLAGS.max_tokens) for d in DECODERS]) as (url, batcher):
+  with server.running(loaded, decoders=DECODERS, max_batch=FLAGS.max_batch,
+                      max_wait_ms=FLAGS.max_wait_ms, max_queue=max(levels) * 4,
+                      exact=FLAGS.exact) as (url, batcher):
+    start = time.perf_counter()
     batcher.warm.wait()
-    for decoder in DECODERS:  # Untimed: any remaining compilation (other prompt widths).
-      run_level(url, prompts, decoder, min(levels))
-    for clients in levels:
+    if batcher.startup_error is not None:
+      raise RuntimeError('the server could not compile its decoders') from batcher.startup_error
+    warm_seconds = time.perf_counter() - start
+    warm = compilations(url)
+    print(f'server warm in {warm_seconds:.0f}s: {warm} programs compiled', flush=True)
+    for kind in FLAGS.settings:  # Untimed: the first requests' one-off costs (connections).
       for decoder in DECODERS:
-        row = run_level(url, prompts, decoder, clients)
-        rows.append(row)
-        print(f'C={clients:>3} {decoder:<15} {row["tokens_per_sec"]:>8.1f} tokens/s  p50 '
-              f'{row["p50_latency_s"] * 1e3:>7.1f} ms  p99 {row["p99_latency_s"] * 1e3:>7.1f} '
-              f'ms  {row["tokens_per_step"]:.2f} tokens/step  errors {row["errors"]}',
-              flush=True)
+        run_level(url, prompts, decoder, min(levels), kind, requests=min(levels))
+    for clients in levels:
+      for kind in FLAGS.settings:
+        for decoder in DECODERS:
+          row = run_level(url, prompts, decoder, clients, kind)
+          rows.append(row)
+          print(f'C={clients:>3} {kind:<9} {decoder:<15} {row["tokens_per_sec"]:>8.1f} '
+                f'tokens/s  p50 {row["p50_latency_s"] * 1e3:>7.1f} ms  p99 '
+                f'{row["p99_latency_s"] * 1e3:>7.1f} ms  {row["tokens_per_step"]:.2f} '
+                f'tokens/step  errors {row["errors"]}  compilations {row["compilations"]}',
+                flush=True)
+    end = compilations(url)
+  if end != warm:
+    print(f'WARNING: the server compiled {end - warm} programs after its warm-up', flush=True)
   for clients in levels:
-    spec, ar = (next(r for r in rows if r['concurrency'] == clients and r['decoder'] == d)
-                for d in DECODERS)
-    spec['speedup'] = spec['tokens_per_sec'] / ar['tokens_per_sec']
-    spec['outputs_match_autoregressive'] = spec['outputs'] == ar['outputs']
-  for row in rows:
-    row['outputs'] = {p: len(t) for p, t in row['outputs'].items()}  # Lengths only in JSON.
+    for kind in FLAGS.settings:
+      spec, ar = (next(r for r in rows if (r['concurrency'], r['settings'], r['decoder'])
+                       == (clients, kind, d)) for d in DECODERS)
+      spec['speedup'] = spec['tokens_per_sec'] / ar['tokens_per_sec']
+      greedy = [i for i, (temperature, _) in ar['outputs'].items() if temperature == 0]
+      spec['greedy_requests'] = len(greedy)
+      spec['outputs_match_autoregressive'] = all(
+          spec['outputs'].get(i) == ar['outputs'][i] for i in greedy)
+  for row in rows:  # Lengths only in JSON.
+    row['outputs'] = {i: len(t) for i, (_, t) in sorted(row['outputs'].items())}
   return dict(workdir=str(FLAGS.workdir), step=loaded.step,
               num_heads=loaded.model.cfg.mtp_num_heads, max_tokens=FLAGS.max_tokens,
+              mixed=dict(temperatures=[float(t) for t in FLAGS.mixed_temperatures],
+                         top_p=[float(p) for p in FLAGS.mixed_top_p],
+                         max_tokens=[FLAGS.mixed_min_tokens, FLAGS.mixed_max_tokens]),
               max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms, exact=FLAGS.exact,
-              prompt_tokens=[min(lengths), max(lengths)], rows=rows)
+              prompt_tokens=[min(lengths), max(lengths)], warm_seconds=warm_seconds,
+              compilations_after_warmup=warm, compilations_at_end=end, rows=rows)
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
@@ -149,21 +217,26 @@ def plot(result: dict, path: pathlib.Path) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   fig, (ax_tps, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.2))
+  kinds = list(dict.fromkeys(r['settings'] for r in result['rows']))
   for decoder, color in zip(DECODERS, ('tab:blue', 'tab:orange')):
-    rows = [r for r in result['rows'] if r['decoder'] == decoder]
-    c = [r['concurrency'] for r in rows]
-    ax_tps.plot(c, [r['tokens_per_sec'] for r in rows], 'o-', color=color, label=decoder)
-    ax_lat.plot(c, [r['p50_latency_s'] for r in rows], 'o-', color=color, label=f'{decoder} p50')
-    ax_lat.plot(c, [r['p99_latency_s'] for r in rows], 's--', color=color,
-                label=f'{decoder} p99')
+    for kind, style in zip(kinds, ('-', ':')):
+      rows = [r for r in result['rows'] if r['decoder'] == decoder and r['settings'] == kind]
+      c = [r['concurrency'] for r in rows]
+      label = f'{decoder}, {kind}'
+      ax_tps.plot(c, [r['tokens_per_sec'] for r in rows], 'o' + style, color=color,
+                  label=label)
+      ax_lat.plot(c, [r['p50_latency_s'] for r in rows], 'o' + style, color=color,
+                  label=f'{label} p50')
+      ax_lat.plot(c, [r['p99_latency_s'] for r in rows], 's' + style, color=color, alpha=0.5,
+                  label=f'{label} p99')
   name = pathlib.Path(result['workdir']).name
   ax_tps.set(xscale='log', xlabel='concurrent clients', ylabel='completion tokens/s',
              title=f'{name}: server throughput (max_batch {result["max_batch"]})')
   ax_lat.set(xscale='log', yscale='log', xlabel='concurrent clients',
-             ylabel='request latency (s)', title=f'{name}: latency, {result["max_tokens"]} '
-             'tokens per request')
+             ylabel='request latency (s)', title=f'{name}: latency ({result["max_tokens"]} '
+             'tokens per identical request)')
   for ax in (ax_tps, ax_lat):
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
