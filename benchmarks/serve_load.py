@@ -1,4 +1,4 @@
-r"""The server under load: throughput and latency, speculative and autoregressive side by side.
+r"""The server under load: throughput and latency, its decoders side by side.
 
   python -m benchmarks.serve_load [--workdir=workdirs/code_small] [--concurrency=1,8,32] \
       [--settings=identical,mixed]
@@ -58,7 +58,9 @@ flags.DEFINE_bool('exact', True, 'The server\'s --exact (row-mapped batches).')
 flags.DEFINE_string('output', 'results/serve_load.json', 'JSON results.')
 flags.DEFINE_string('plot', 'results/serve_load.png', 'Plot.')
 
-DECODERS = ('speculative', 'autoregressive')
+flags.DEFINE_list('decoders', ['auto', 'speculative', 'autoregressive'],
+                  'Decoders the server serves and the clients take turns with; '
+                  'autoregressive is the reference of the others\' speedups and outputs.')
 SETTINGS = ('identical', 'mixed')
 
 
@@ -165,7 +167,8 @@ def measure() -> dict:
         f'(mixed), {FLAGS.requests} requests per level', flush=True)
   levels = [int(c) for c in FLAGS.concurrency]
   rows = []
-  with server.running(loaded, decoders=DECODERS, max_batch=FLAGS.max_batch,
+  decoders = list(dict.fromkeys(FLAGS.decoders + ['autoregressive']))
+  with server.running(loaded, decoders=decoders, max_batch=FLAGS.max_batch,
                       max_wait_ms=FLAGS.max_wait_ms, max_queue=max(levels) * 4,
                       exact=FLAGS.exact) as (url, batcher):
     start = time.perf_counter()
@@ -176,11 +179,11 @@ def measure() -> dict:
     warm = compilations(url)
     print(f'server warm in {warm_seconds:.0f}s: {warm} programs compiled', flush=True)
     for kind in FLAGS.settings:  # Untimed: the first requests' one-off costs (connections).
-      for decoder in DECODERS:
+      for decoder in decoders:
         run_level(url, prompts, decoder, min(levels), kind, requests=min(levels))
     for clients in levels:
       for kind in FLAGS.settings:
-        for decoder in DECODERS:
+        for decoder in decoders:
           row = run_level(url, prompts, decoder, clients, kind)
           rows.append(row)
           print(f'C={clients:>3} {kind:<9} {decoder:<15} {row["tokens_per_sec"]:>8.1f} '
@@ -193,13 +196,15 @@ def measure() -> dict:
     print(f'WARNING: the server compiled {end - warm} programs after its warm-up', flush=True)
   for clients in levels:
     for kind in FLAGS.settings:
-      spec, ar = (next(r for r in rows if (r['concurrency'], r['settings'], r['decoder'])
-                       == (clients, kind, d)) for d in DECODERS)
-      spec['speedup'] = spec['tokens_per_sec'] / ar['tokens_per_sec']
+      ar = next(r for r in rows if (r['concurrency'], r['settings'], r['decoder'])
+                == (clients, kind, 'autoregressive'))
       greedy = [i for i, (temperature, _) in ar['outputs'].items() if temperature == 0]
-      spec['greedy_requests'] = len(greedy)
-      spec['outputs_match_autoregressive'] = all(
-          spec['outputs'].get(i) == ar['outputs'][i] for i in greedy)
+      for spec in (r for r in rows if (r['concurrency'], r['settings']) == (clients, kind)
+                   and r['decoder'] != 'autoregressive'):
+        spec['speedup'] = spec['tokens_per_sec'] / ar['tokens_per_sec']
+        spec['greedy_requests'] = len(greedy)
+        spec['outputs_match_autoregressive'] = all(
+            spec['outputs'].get(i) == ar['outputs'][i] for i in greedy)
   for row in rows:  # Lengths only in JSON.
     row['outputs'] = {i: len(t) for i, (_, t) in sorted(row['outputs'].items())}
   return dict(workdir=str(FLAGS.workdir), step=loaded.step,
@@ -218,7 +223,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
   import matplotlib.pyplot as plt
   fig, (ax_tps, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.2))
   kinds = list(dict.fromkeys(r['settings'] for r in result['rows']))
-  for decoder, color in zip(DECODERS, ('tab:blue', 'tab:orange')):
+  decoders = list(dict.fromkeys(r['decoder'] for r in result['rows']))
+  for decoder, color in zip(decoders, ('tab:green', 'tab:blue', 'tab:orange', 'tab:red')):
     for kind, style in zip(kinds, ('-', ':')):
       rows = [r for r in result['rows'] if r['decoder'] == decoder and r['settings'] == kind]
       c = [r['concurrency'] for r in rows]

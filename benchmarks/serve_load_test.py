@@ -24,17 +24,17 @@ def test_tiny_run_writes_figures_and_a_plot_and_compiles_nothing_after_warm_up(
   result = json.loads((out / 'serve_load.json').read_text())
   rows = {(r['concurrency'], r['settings'], r['decoder']): r for r in result['rows']}
   assert set(rows) == {(c, k, d) for c in (1, 8) for k in serve_load.SETTINGS
-                       for d in serve_load.DECODERS}
+                       for d in ('auto', 'speculative', 'autoregressive')}
   for row in rows.values():
     assert row['errors'] == 0 and row['tokens_per_sec'] > 0
     assert row['p99_latency_s'] >= row['p50_latency_s'] > 0
     assert row['compilations'] == 0
   assert result['compilations_at_end'] == result['compilations_after_warmup'] > 0
-  for c in (1, 8):
-    identical = rows[c, 'identical', 'speculative']
+  for c, decoder in ((1, 'speculative'), (8, 'speculative'), (8, 'auto')):
+    identical = rows[c, 'identical', decoder]
     assert identical['outputs_match_autoregressive'] is True
     assert identical['greedy_requests'] == 12
-    mixed = rows[c, 'mixed', 'speculative']
+    mixed = rows[c, 'mixed', decoder]
     assert mixed['outputs_match_autoregressive'] is True  # Its greedy requests.
     assert 0 < mixed['greedy_requests'] < 12
     # Mixed budgets: the requests' lengths differ (the tiny model rarely stops early).
