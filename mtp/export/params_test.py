@@ -22,8 +22,9 @@ PROMPTS = ['def add(a, b):\n    return', 'import os\n', 'class Point:\n    def _
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  return testing.train_tiny_workdir(tmp_path_factory.mktemp('source'))
+def workdir(tiny_workdir):
+  """The session's tiny workdir: exporting it, and training heads on it, only read it."""
+  return tiny_workdir
 
 
 @pytest.fixture(scope='module')

@@ -1,9 +1,9 @@
 """Runs a jax_export directory: deserialize the programs, call them. No model code.
 
 This module imports JAX, numpy, safetensors, the tokenizer, the tree helpers
-(`decode/trees.py`, plain numpy) and the finish reasons (`decode/finish.py`), never `mtp.model`
-nor the decode loop: what runs is the
-StableHLO in the `*.jax_exported` files (`jax_artifact.py` documents their contract).
+(`decode/trees.py`, plain numpy), the decoders' registry (`decode/decoders.py`) and the finish
+reasons (`decode/finish.py`), never `mtp.model` nor the decode loop: what runs is the StableHLO
+in the `*.jax_exported` files (`jax_artifact.py` documents their contract).
 
 `load(directory)` reads the manifest, the tokenizer and the parameters (placed on the device
 once), and deserializes every program; `LoadedArtifact.program(...)` picks the program that
@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 
 from mtp.data import tokenizer as tokenizer_lib
+from mtp.decode import decoders as decoders_lib
 from mtp.decode import finish
 from mtp.decode import trees as trees_lib
 from mtp.export import manifest as manifest_lib
@@ -145,13 +146,24 @@ class LoadedArtifact:
               max_new_tokens: int | None = None) -> Program:
     """The program that serves these settings.
 
-    `tree` None and `lookup` 0 take the program's own; given, they must be the ones it was
-    exported with (a static name of `trees.NAMES`, choices or a `trees.Tree`).
+    `decoder` is a name of `decoders.NAMES`; an adaptive one ('auto') runs the artifact's
+    speculative program (an exported loop holds no fallback to one-token steps), or its
+    autoregressive one for a model without heads. `tree` None and `lookup` 0 take the
+    program's own; given, they must be the ones it was exported with (a static name of
+    `trees.NAMES`, choices or a `trees.Tree`).
 
     Raises:
+      ValueError: an unknown decoder, or a tree or lookup for one that does not draft.
       ArtifactMismatchError: no program serves them (the message lists what the artifact
         serves).
     """
+    spec = decoders_lib.get(decoder)
+    if not spec.drafts and (tree is not None or lookup):
+      drafting = ', '.join(d.name for d in decoders_lib.DECODERS.values() if d.drafts)
+      raise ValueError(f'tree and lookup apply to the drafting decoders ({drafting}) only, '
+                       f'not to {decoder!r}')
+    if spec.adaptive:
+      decoder = 'speculative' if 'speculative' in self.decoders else 'autoregressive'
     if max_new_tokens is not None and max_new_tokens > self.max_new_tokens:
       raise ArtifactMismatchError(
           f'max_new_tokens {max_new_tokens} exceeds the {self.max_new_tokens} this artifact '

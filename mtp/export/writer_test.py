@@ -9,12 +9,12 @@ from mtp.checkpoint import workdir_lock
 from mtp.export import ExportError
 from mtp.export import params as params_lib
 from mtp.export import writer
-from mtp.train import testing
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  return testing.train_tiny_workdir(tmp_path_factory.mktemp('writer'))
+def workdir(tiny_workdir):
+  """The session's tiny workdir: exports only read it (the tests that change one copy it)."""
+  return tiny_workdir
 
 
 def _leftovers(parent):
@@ -31,7 +31,9 @@ def _leftovers(parent):
      '--format=params'),
     (dict(format='jax_export', max_new_tokens=0), r'max_new_tokens must be an integer in '
      r'\[1, 256\)'),
-    (dict(format='jax_export', tree='auto'), 'export the tree it picks as choices'),
+    (dict(format='jax_export', tree='auto'), "tree='auto' is measured at run time, which an "
+     'export cannot do: export the tree it picks as Medusa-style choices'),
+    (dict(format='jax_export', tree='dynamic'), "tree='dynamic' is measured at run time"),
     (dict(format='jax_export', tree=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]),
      'cannot export the speculative decoder: tree depth 4 exceeds'),
     (dict(format='jax_export', platforms=['gpu']), 'platforms must be some of'),
