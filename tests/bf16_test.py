@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp.decode import autoregressive
-from mtp.decode import request as request_lib
-from mtp.decode import speculative
 from mtp.decode import speculative_test
+from mtp.decode import testing as decode_testing
+from mtp.decode import trees
 from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.train import step as step_lib
@@ -72,15 +71,15 @@ def test_bfloat16_speculative_greedy_equals_bfloat16_autoregressive():
   prompts = testing.random_tokens((3, 7), 61, seed=1)
   lengths = speculative_test.PROMPT_LENGTHS
   new = speculative_test.MAX_NEW
-  reference = autoregressive.generate(model, prompts, lengths, max_new_tokens=new)
+  reference = decode_testing.decode(model, prompts, lengths, decoder='autoregressive',
+                                    max_new_tokens=new)
   tree = speculative_test.TREE
-  hook = speculative_test.ReferenceDrafts(
-      request_lib.resolve_tree(model.cfg.mtp_num_heads, tree), 61)
+  hook = speculative_test.ReferenceDrafts(trees.static_tree(tree, model.cfg.mtp_num_heads), 61)
   ref = np.asarray(reference.tokens)
   for mode in (speculative_test.MODEL_DRAFTS, speculative_test.ORACLE,
                speculative_test.RAGGED):
-    out = speculative.generate(model, prompts, lengths, max_new_tokens=new, tree=tree,
-                               draft_hook=hook, hook_data=speculative_test._hook_data(ref, mode))
+    out = decode_testing.decode(model, prompts, lengths, max_new_tokens=new, tree=tree,
+                                draft_hook=hook, hook_data=speculative_test._hook_data(ref, mode))
     np.testing.assert_array_equal(out.tokens, ref)
     if mode == speculative_test.ORACLE:  # Whole paths verified at once: several tokens a step.
       assert np.all(np.asarray(out.num_steps) < np.asarray(reference.num_generated) - 1)

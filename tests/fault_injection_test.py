@@ -6,13 +6,17 @@
     checkpoint directory appears (Orbax mid-write). Resumed in this process to completion, its
     final parameters and every logged loss equal an uninterrupted run's, bit for bit.
   * Corrupt files: one file of a trained tiny workdir, or of a heads-only workdir trained on
-    it (every file either holds: config.json, tokenizer.json, base.json, metrics.jsonl,
-    head_accuracies.json, data_cache/*.npz and each file under checkpoints/<step>/), gets
-    random bytes flipped, is truncated, emptied, overwritten or deleted. Then `mtp.load` (and,
-    in fewer examples, a resumed training run or a generation with tree='auto') either
-    succeeds with identical results (identical parameters, tokenizer, config, output) or raises
-    an exception whose message names the file or a directory holding it inside the workdir.
-    Never a crash, a hang (a watchdog ends the process) or a silently different result.
+    it (every file either holds: config.json, tokenizer.json, special_tokens.json,
+    chat_template.jinja, base.json, metrics.jsonl, data_cache/*.npz and each file under
+    checkpoints/<step>/), gets random bytes flipped, is truncated, emptied, overwritten or
+    deleted. Then `mtp.load` (and, in fewer examples, a resumed training run) either succeeds
+    with identical results (identical parameters, tokenizer, config) or raises an exception
+    whose message names the file or a directory holding it inside the workdir. Never a crash,
+    a hang (a watchdog ends the process) or a silently different result.
+  * A corrupt measurement cache: the heads' accuracies behind tree='auto' are kept in
+    `$MTP_CACHE_DIR/decode/head_accuracies.json`, outside the workdir. Whatever happens to that
+    file, a generation measures again where it must and its output is unchanged: a cache is
+    never an error.
 
 Example counts: the `ci` profile (the default) runs a few examples per test, the same ones on
 every run (derandomized: a stable, bounded CI); set `MTP_HYPOTHESIS_PROFILE=thorough` for about
@@ -193,17 +197,16 @@ _PROMPTS = ['import os\nimport', 'class A:\n    def']
 _CURVE = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 16: 3.0, 32: 6.0}
 
 
-def _fake_accuracies(loaded, num_prompts=8, top_k=4):
-  del num_prompts
-  return np.linspace(0.9, 0.1, loaded.model.mtp_num_heads * top_k).reshape(-1, top_k)
+def _fake_accuracies(num_heads: int, top_k: int = 4) -> np.ndarray:
+  return np.linspace(0.9, 0.1, num_heads * top_k).reshape(-1, top_k)
 
 
 @pytest.fixture(scope='module')
-def workdirs(tmp_path_factory):
-  """root/base: a tiny trained workdir; root/heads: parallel heads on its frozen trunk. Both
-  with a head_accuracies.json."""
+def workdirs(tiny_workdir, tmp_path_factory):
+  """root/base: a copy of the session's tiny workdir; root/heads: parallel heads trained on its
+  frozen trunk."""
   root = tmp_path_factory.mktemp('pristine')
-  trainer_lib.train_and_evaluate(_config(num_train_steps=2), root / 'base')
+  shutil.copytree(tiny_workdir, root / 'base')
   trainer_lib.train_and_evaluate(
       _config(**{'init_from': str(root / 'base'), 'optim.mode': 'frozen_trunk',
                  'model.mtp_head_type': 'parallel', 'model.mtp_num_heads': 2,
@@ -215,9 +218,6 @@ def workdirs(tmp_path_factory):
   expected = {}
   for name in ('base', 'heads'):
     loaded = mtp.load(root / name)
-    key = f'step{loaded.step}-R4-n8-even'
-    (root / name / 'head_accuracies.json').write_text(
-        json.dumps({key: _fake_accuracies(loaded).tolist()}))
     expected[name] = dict(params=_flat_params(loaded), step=loaded.step,
                           config=loaded.config.to_dict(),
                           probe=loaded.tokenizer.encode(_PROBE),
@@ -320,27 +320,46 @@ def test_load_with_a_corrupt_file_is_identical_or_names_it(workdirs, tmp_path_fa
 
 
 @settings(max_examples=_examples(3))
-@given(data=st.data(), kind=_CORRUPTIONS, where=st.floats(0, 1), seed=st.integers(0, 2**16))
-def test_generate_auto_tree_with_a_corrupt_accuracies_file(workdirs, tmp_path_factory, data,
-                                                           kind, where, seed):
-  """A corrupt head_accuracies.json is measured again or named; greedy output is unchanged."""
+@given(kind=_CORRUPTIONS, where=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_generate_auto_tree_with_a_corrupt_accuracies_cache(workdirs, tmp_path_factory, kind,
+                                                            where, seed):
+  """A corrupt head_accuracies.json in the measurement cache is measured again (or, still a
+  valid table, read as written): greedy output is unchanged, the cache is usable afterwards,
+  and nothing is written into the workdir."""
+  from mtp.decode import calibration
   from mtp.decode import cost_model
-  copy, _, _ = _copy(workdirs, tmp_path_factory)
-  path = copy / 'base' / 'head_accuracies.json'
-  _corrupt(path, kind, where, seed)
-  loaded = mtp.load(copy / 'base')
-  with mock.patch.object(cost_model, 'step_cost', lambda model, **kwargs: _CURVE), \
-      mock.patch.object(mtp.api, 'head_accuracies', wraps=mtp.api.head_accuracies), \
-      mock.patch('mtp.decode.calibration.calibrate',
-                 lambda model, *a, **k: _fake_accuracies(loaded)):
-    try:
-      with _watchdog(300):
-        auto = mtp.generate(loaded, _PROMPTS, max_new_tokens=8, tree='auto')
-    except Exception as e:  # noqa: BLE001
-      assert _names(e, path, copy / 'base'), f'{type(e).__name__} does not name {path}: {e}'
-      return
+  from mtp.decode import measurements
+  root, _, _ = workdirs
+  before = sorted(p.name for p in (root / 'base').iterdir())
+  loaded = mtp.load(root / 'base')
+  calibrated = []
+
+  def fake_calibrate(model, *args, **kwargs):
+    del args, kwargs
+    calibrated.append(model)
+    return _fake_accuracies(model.mtp_num_heads)
+
+  cache = tmp_path_factory.mktemp('cache')  # This example's own: other tests read the session's.
+  with mock.patch.dict(os.environ, {'MTP_CACHE_DIR': str(cache)}), \
+      mock.patch.object(cost_model, 'step_cost', lambda model, **kwargs: _CURVE), \
+      mock.patch.object(calibration, 'calibrate', fake_calibrate):
+    calibration.workdir_accuracies(loaded)
+    path = pathlib.Path(measurements.root() / 'head_accuracies.json')
+    assert len(calibrated) == 1 and path.is_file()
+    _corrupt(path, kind, where, seed)
+    unreadable = not _still_valid_json(path)
+    event(f'{kind}: {"unreadable" if unreadable else "still valid JSON"}')
+    with _watchdog(300):
+      auto = mtp.generate(loaded, _PROMPTS, max_new_tokens=8, decoder='speculative',
+                          tree='auto')
+    if unreadable:
+      assert len(calibrated) == 2, 'an unreadable cache was not measured again'
+    measured = len(calibrated)
+    calibration.workdir_accuracies(loaded)
+    assert len(calibrated) == measured, 'the cache is not usable after the generation'
   reference = mtp.generate(loaded, _PROMPTS, max_new_tokens=8, decoder='autoregressive')
   assert [g.tokens for g in auto] == [g.tokens for g in reference]
+  assert sorted(p.name for p in (root / 'base').iterdir()) == before
 
 
 @pytest.fixture(scope='module')

@@ -105,10 +105,12 @@ def test_workdir_lock_on_a_bucket_is_a_marker_that_refuses_a_second_writer(bucke
 
 
 def test_local_caches_of_a_bucket_workdir_live_on_this_host(bucket, monkeypatch, tmp_path):
-  monkeypatch.setenv('MTP_LOCAL_CACHE', str(tmp_path.parent / 'cache'))
+  # Under the host's one cache directory ($MTP_CACHE_DIR; MTP_LOCAL_CACHE is gone), in workdirs/.
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path.parent / 'cache'))
   local = paths.local_dir(f'{bucket}/run', 'data_cache')
   assert not paths.is_url(local)
-  assert str(local) == str(tmp_path.parent / 'cache' / 'gs' / 'bucket' / 'run' / 'data_cache')
+  assert str(local) == str(tmp_path.parent / 'cache' / 'workdirs' / 'gs' / 'bucket' / 'run' /
+                           'data_cache')
   assert str(paths.local_dir(tmp_path / 'run', 'data_cache')) == str(tmp_path / 'run' /
                                                                     'data_cache')
 

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 import mtp
-from mtp.decode import autoregressive
-from mtp.train import testing
+from mtp.decode import testing as decode_testing
 from mtp.train import trainer as trainer_lib
 from mtp.train import trainer_test
 from mtp.train import trunk_cache
@@ -13,8 +12,9 @@ from mtp.train import writers
 
 
 @pytest.fixture(scope='module')
-def trained_workdir(tmp_path_factory):
-  return testing.train_tiny_workdir(tmp_path_factory.mktemp('source'))
+def trained_workdir(tiny_workdir):
+  """The session's tiny workdir: heads trained on its frozen trunk only read it."""
+  return tiny_workdir
 
 
 def test_targets_put_the_trunks_prediction_at_t_plus_1():
@@ -108,7 +108,8 @@ def test_rollout_rows_are_the_trunks_greedy_continuations(trained_workdir, tmp_p
   assert rows['tokens'].shape == (len(prompts), seq_len)
   np.testing.assert_array_equal(rows['tokens'][:, :prompt_len], prompts)
   source = mtp.load(trained_workdir).model
-  greedy = autoregressive.generate(source, prompts[:4], max_new_tokens=seq_len - prompt_len)
+  greedy = decode_testing.decode(source, prompts[:4], decoder='autoregressive',
+                                 max_new_tokens=seq_len - prompt_len)
   np.testing.assert_array_equal(rows['tokens'][:4, prompt_len:], greedy.tokens)
   # On the continuation the trunk's next token is the row's next token.
   np.testing.assert_array_equal(rows['targets'][:, prompt_len:], rows['tokens'][:, prompt_len:])
