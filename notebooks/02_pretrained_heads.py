@@ -188,9 +188,11 @@ plt.show()
 # path, wide near the root where the second and third candidates still win often.
 
 # %%
+from mtp.decode import calibration
 from mtp.decode import cost_model
 
-accuracies = mtp.api.head_accuracies(heads)
+# Measured on held-out code once per set of weights, then read from the measurement cache.
+accuracies = calibration.workdir_accuracies(heads)
 tree = cost_model.choose_tree(heads.model, accuracies,
                               cost=cost_model.step_cost(heads.model, batch_size=1))
 print('top-k accuracy of each head (rows: heads 1..K, columns: rank 0..3):')
