@@ -163,12 +163,13 @@ def _generate_exported(artifact: runtime.LoadedArtifact, texts: list[str],
                              max_new_tokens=sampling.max_tokens)
   special = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
   batches = _batches(padded, lengths, batch_size)
-  program.run(artifact.params, *batches[0][1:], key=artifact.key(sampling.seed),
-              max_new_tokens=2, **special)  # Compiles and warms up.
+  key = artifact.key(sampling.seed)
+  program.run(artifact.params, *batches[0][1:], key=key, max_new_tokens=2,
+              **special)  # Compiles and warms up.
   results = []
-  for index, (rows, tokens, row_lengths) in enumerate(batches):
+  for rows, tokens, row_lengths in batches:
     start = time.perf_counter()
-    out = program.run(artifact.params, tokens, row_lengths, key=artifact.key(sampling.seed, index),
+    out = program.run(artifact.params, tokens, row_lengths, key=key, first_row=rows[0],
                       max_new_tokens=sampling.max_tokens, **special)
     seconds = time.perf_counter() - start
     for row, i in enumerate(rows):

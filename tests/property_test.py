@@ -280,9 +280,6 @@ def test_engine_rejects_before_any_work_or_matches_autoregressive(request):
 
 # Found by the test above in the thorough profile: a tree that is neither a name, a chain length
 # nor choices (True, 2.5) reaches `trees.tree_from_choices`, which iterates over it.
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "trees.static_tree lets a bool or a float through to tree_from_choices: TypeError "
-    "'bool'/'float' object is not iterable, not a ValueError naming the tree"))
 @pytest.mark.parametrize('tree', [True, 2.5])
 def test_a_tree_neither_named_nor_a_length_nor_choices_is_named(tree):
   with pytest.raises(ValueError, match='tree|chain'):

@@ -476,6 +476,9 @@ def static_tree(choice, num_heads: int) -> Tree:
     if choice > num_heads:
       raise ValueError(f'chain length {choice} exceeds the number of MTP heads {num_heads}')
     return chain_tree(int(choice))
+  if not isinstance(choice, (Tree, Sequence)) or isinstance(choice, (bool, bytes)):
+    raise ValueError(f'tree must be one of {", ".join(NAMES)}, a chain length, Medusa-style '
+                     f'choices or a Tree, got {choice!r}')
   tree = choice if isinstance(choice, Tree) else tree_from_choices(choice)
   if tree.head_depth < 1:
     raise ValueError('the candidate tree has no drafted nodes')

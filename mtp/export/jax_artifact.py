@@ -6,7 +6,7 @@ for every platform that lowers here (`cpu`, and `cuda` and `tpu` without their h
 Running it needs JAX and the files, not this package's model code (`runtime.py`).
 
 Contract of each program (all arguments are arrays; none is donated):
-  generate(params, prompts, lengths, key, eos_id, pad_id, max_new_tokens) -> dict(
+  generate(params, prompts, lengths, key, eos_id, pad_id, max_new_tokens, first_row) -> dict(
       tokens [b, M] int32 (pad_id after each row's end), num_generated [b] int32,
       num_steps [b] int32, accepted_histogram [b, depth + 2] int32, reason [b] int32 (why
       each row stopped: `decode/finish.py`))
@@ -14,8 +14,10 @@ Contract of each program (all arguments are arrays; none is donated):
                   as saved beside the programs in params.safetensors: arguments, not constants
   prompts         [b, p] int32, right-padded, p a multiple of 64 (the prefill's chunk);
                   lengths [b] int32: valid tokens per row
-  key             the raw data of a PRNG key (`jax.random.key_data`; manifest: prng_impl);
-                  row r samples with its fold by r
+  key             the raw data of the request's PRNG key (`jax.random.key_data`; manifest:
+                  prng_impl; `runtime.LoadedArtifact.key(seed)` makes it as mtp.generate does)
+  first_row       [] int32: row r samples with the key folded by first_row + r (its prompt's
+                  index in the request, so its tokens do not depend on the batching)
   eos_id, pad_id  [] int32 (eos_id -1: none)
   max_new_tokens  [] int32 in [1, M]: every row's token budget
 
@@ -161,7 +163,7 @@ def write(loaded, directory: pathlib.Path, dtype: np.dtype, **options) -> dict[s
            jax.ShapeDtypeStruct((b, loop.PREFILL_CHUNK * k), jnp.int32),
            jax.ShapeDtypeStruct((b,), jnp.int32),
            jax.ShapeDtypeStruct(key_data.shape, key_data.dtype),
-           *(jax.ShapeDtypeStruct((), jnp.int32),) * 3)
+           *(jax.ShapeDtypeStruct((), jnp.int32),) * 4)
   prng_impl = str(jax.config.jax_default_prng_impl)
   # The model's own layout: the program may run on another platform than this one.
   unfused = state_lib.PreparedModel(model, fuse=False)
@@ -207,9 +209,9 @@ def write(loaded, directory: pathlib.Path, dtype: np.dtype, **options) -> dict[s
                 'max_new_tokens': max_new_tokens, 'vocab_limit': vocab_limit,
                 'banned_ids': list(banned), 'devices': 1},
       'traced': ['batch size', 'prompt width', 'prompts', 'lengths', 'seed (key)', 'eos_id',
-                 'pad_id', f'max_new_tokens in [1, {max_new_tokens}]'],
+                 'pad_id', f'max_new_tokens in [1, {max_new_tokens}]', 'first_row'],
       'arguments': ['params', 'prompts', 'lengths', 'key', 'eos_id', 'pad_id',
-                    'max_new_tokens'],
+                    'max_new_tokens', 'first_row'],
       'outputs': ['tokens', 'num_generated', 'num_steps', 'accepted_histogram', 'reason']}
 
 
@@ -226,11 +228,12 @@ def _generate_fn(graphdef, treedef, names: list[str], engine, kwargs: dict, prng
   m = engine.plan.max_new_tokens
   decode = engine.decode_function()
 
-  def generate(params, prompts, lengths, key, eos_id, pad_id, max_new_tokens):
+  def generate(params, prompts, lengths, key, eos_id, pad_id, max_new_tokens, first_row):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, [params[n] for n in names]))
     b = prompts.shape[0]
+    rows = (first_row + jnp.arange(b, dtype=jnp.int32)).astype(jnp.uint32)
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-        jax.random.wrap_key_data(key, impl=prng_impl), jnp.arange(b, dtype=jnp.uint32))
+        jax.random.wrap_key_data(key, impl=prng_impl), rows)
     full = lambda value, dtype: jnp.full((b,), value, dtype)  # noqa: E731
     settings = settings_lib.RowSettings(
         temperature=full(kwargs['temperature'], jnp.float32),

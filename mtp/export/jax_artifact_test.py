@@ -103,10 +103,7 @@ def test_sampled_tokens_equal_the_workdirs_for_the_same_seed(loaded, source):
 
 @pytest.mark.parametrize('kind', [
     'workdir',
-    pytest.param('artifact', marks=pytest.mark.xfail(strict=True, reason=(
-        'an exported program folds its key with the row within the call, and mtp.generate '
-        'passes key(seed, batch index): prompt i of batch k gets fold(fold(seed, k), i - k*B), '
-        'not fold(seed, i) as from a workdir')))])
+    'artifact'])
 def test_sampled_tokens_do_not_depend_on_the_batch_size(loaded, source, kind):
   """Prompt i samples with its own key from the seed and i (`mtp.generate`), from a workdir
   and from its artifact alike: batches of 2 + 1 give the tokens one batch of 3 gives."""

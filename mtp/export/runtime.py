@@ -77,16 +77,17 @@ class Program:
     return self.record['decoder']
 
   def run(self, params: dict, prompts: np.ndarray, lengths: np.ndarray, *, key,
-          max_new_tokens: int, eos_id: int | None, pad_id: int) -> Result:
-    """Decodes [B, P] right-padded int32 prompts with per-row `lengths` [B]."""
+          max_new_tokens: int, eos_id: int | None, pad_id: int, first_row: int = 0) -> Result:
+    """Decodes [B, P] right-padded int32 prompts with per-row `lengths` [B]; row r samples
+    with `key` folded by `first_row + r` (its prompt's index in the request)."""
     start = time.perf_counter()
     prompts = np.asarray(prompts, np.int32)
     chunk = int(self.record.get('prompt_chunk', 1))  # Its prompts' width is a multiple of it.
     width = -(-prompts.shape[1] // chunk) * chunk
     prompts = np.pad(prompts, ((0, 0), (0, width - prompts.shape[1])))
     out = self._call(params, prompts, np.asarray(lengths, np.int32), key,
-                             np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id),
-                             np.int32(max_new_tokens))
+                     np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id),
+                     np.int32(max_new_tokens), np.int32(first_row))
     out = jax.device_get(out)
     if self.first_call_seconds is None:
       self.first_call_seconds = time.perf_counter() - start
@@ -136,10 +137,13 @@ class LoadedArtifact:
     """The decoders its programs run ('autoregressive', and 'speculative' with heads)."""
     return tuple(dict.fromkeys(p.decoder for p in self.programs))
 
-  def key(self, seed: int, index: int = 0):
-    """The raw key data a program takes: batch `index` of `seed` (as `mtp.generate` folds)."""
-    key = jax.random.fold_in(jax.random.key(seed, impl=self.artifact['prng_impl']), index)
-    return jax.random.key_data(key)
+  def key(self, seed: int):
+    """The raw key data of a request's `seed` that a program takes, as `mtp.generate` derives
+    it (`decode.settings`: the seed modulo 2**64, its low and high 32 bits); the program folds
+    in each row's index."""
+    seed = int(seed) % 2 ** 64
+    key = jax.random.key(seed & 0xFFFFFFFF, impl=self.artifact['prng_impl'])
+    return jax.random.key_data(jax.random.fold_in(key, seed >> 32))
 
   def program(self, decoder: str, *, temperature: float = 0.0, top_k: int = 0,
               top_p: float = 1.0, tree=None, lookup: int = 0,
