@@ -115,8 +115,9 @@ def generate(loaded_or_workdir, prompts: str | Sequence[str], *, max_new_tokens:
       loaded, decoder, max_new_tokens=max_new_tokens, prompt_width=padded.shape[1],
       batch_size=batch_size, greedy_only=sampling.greedy,
       logprobs=-1 if logprobs is None else logprobs, calibration=batches[0][1:], **options)
-  engine.step(engine.prefill(*batches[0][1:], engine.settings([sampling] * batch_size)), 1)
-  results = []  # Compiled and warmed up above: the prefill and one loop step.
+  engine.result(engine.step(engine.prefill(*batches[0][1:], engine.settings(
+      [sampling] * batch_size)), 1))  # Compiles, warms up and waits: a prefill, a step.
+  results = []
   for rows, tokens, row_lengths in batches:
     indices = rows + [rows[-1]] * (batch_size - len(rows))  # Each prompt its own key.
     settings = engine.settings([sampling] * batch_size, indices)
