@@ -50,7 +50,7 @@ ALL_OR_NOTHING_LEAST_PROBE = 4
 _TABLE = 'break_even.json'
 # Bumped when the decode loop's steps change cost or the way they are timed, so that older
 # measurements are not reused.
-_LOOP_VERSION = 5
+_LOOP_VERSION = 6
 
 
 @flax.struct.dataclass
