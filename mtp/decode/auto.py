@@ -7,11 +7,14 @@ once per hardware, model shape, batch size and block on the very compiled loop t
 (`break_even`), fastest run against fastest run.
 
 Each row keeps its own account (`State`): the tokens it emitted in steps of each kind and the
-steps it took. A kind starts paying for a row, is checked after a probe of a few steps (as
-many as keep the worst case, every draft rejected, within `FALLBACK_BUDGET` of the row's token
-budget; none where even one failed step would cost more), stops where the row's tokens per step
-fall below the break-even, and is tried again for one step once enough steps have passed that
-a failed retry loses at most half the budget of them. A row wants the largest kind that pays
+steps it took. A kind starts paying for a row, is checked after a probe of a few steps, stops
+where the row's tokens per step fall below the break-even, and is tried again for one step once
+enough steps have passed that a failed retry loses at most its share of the budget of them.
+Where every draft fails, the probes and the retries of all kinds together lose at most
+`FALLBACK_BUDGET` of the row's one-token steps: each kind's probe at most its half of the
+kind's share of the row's token budget, its retries at most the other half of the steps since.
+A probe the budget cannot afford does not run (the kind starts stopped; its retries sample it
+later): in a short completion it could not win back what it costs. A row wants the largest kind that pays
 for it and whose newest drafter is `ready` (prompt lookup: its key matched at least two tokens).
 
 A step is one kind for the whole batch (one compiled block), and a batch runs until its last
@@ -39,18 +42,20 @@ from mtp.decode import measurements
 
 Array = jax.Array
 # What a row may lose to one-token decoding in the worst case, where every draft fails: its
-# probes and retries of drafting are sized to lose at most this fraction of its token budget.
+# probes and retries of every kind of drafting together are sized to lose at most this fraction
+# of its one-token steps (a budget of 5% per kind, probe and retries each, read 0.93-0.95x on
+# validation code at batch 8, where every failed probe of a batch's deciding row is paid by all).
 FALLBACK_BUDGET = 0.05
 # Most probe steps (acceptance is noisy over fewer, and more only delays the judgement).
 MOST_PROBE = 8
 # The fewest probe steps of drafters whose drafts pass all or nothing (prompt lookup): judged on
 # fewer, lookup on the demo model's validation-split code (which pays, 6 tokens a step) was
-# mostly stopped by its first unlucky step.
+# mostly stopped by its first unlucky step. Where the budget cannot afford as many, no probe.
 ALL_OR_NOTHING_LEAST_PROBE = 4
 _TABLE = 'break_even.json'
 # Bumped when the decode loop's steps change cost or the way they are timed, so that older
 # measurements are not reused.
-_LOOP_VERSION = 6
+_LOOP_VERSION = 8
 
 
 @flax.struct.dataclass
@@ -71,21 +76,28 @@ class State:
   probe: Array
 
 
-def probe_steps(break_even, max_tokens, least=1, budget: float = FALLBACK_BUDGET):
+def probe_steps(break_even, max_tokens, least=1, budget: float = FALLBACK_BUDGET / 2):
   """Drafting steps before the first check, so that their worst case costs at most `budget`
   of `max_tokens` one-token steps (numpy or jnp, broadcasting).
 
   A probe step whose drafts all fail emits one token at `break_even` one-token steps: it loses
-  break_even - 1. Where even one such step loses more than the budget, none (0: the kind starts
-  stopped); else at least `least` (a kind whose steps accept all or nothing, prompt lookup,
-  is judged on fewer steps only by luck) and at most `MOST_PROBE`.
+  break_even - 1. As many steps as the budget affords, at most `MOST_PROBE`; none (0: the kind
+  starts stopped) where it affords fewer than `least` (a kind whose steps accept all or nothing,
+  prompt lookup, is judged on fewer steps only by luck).
   """
   xp = jnp if isinstance(break_even, jax.Array) or isinstance(max_tokens, jax.Array) else np
   loss = xp.maximum(xp.asarray(break_even, xp.float32) - 1, 1e-6)
   affordable = xp.floor(budget * xp.asarray(max_tokens, xp.float32) / loss)
-  probe = xp.clip(xp.maximum(affordable, least), 1, MOST_PROBE)
+  probe = xp.minimum(affordable, MOST_PROBE)
   free = xp.asarray(break_even) <= 1  # Drafting costs no more than a one-token step.
-  return xp.where(free, MOST_PROBE, xp.where(affordable >= 1, probe, 0)).astype(xp.int32)
+  return xp.where(free, MOST_PROBE, xp.where(affordable >= least, probe, 0)).astype(xp.int32)
+
+
+def _deciding(active: Array, greedy: Array, remaining: Array) -> Array:
+  """[B] the rows whose wants decide a step's kind: the greedy row with the most tokens left
+  (the batch runs until it is done) and every sampled row."""
+  first = jnp.argmax(jnp.where(active & greedy, remaining, -1))
+  return active & (~greedy | (jnp.arange(active.shape[0]) == first) & greedy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +105,22 @@ class AutoPolicy:
   """The policy of a plan with `num_kinds` kinds of drafting step.
 
   least_probe: per kind, the fewest probe steps it is judged on (see `probe_steps`).
+  budget: what every kind's probes and retries together may lose (see the module's docstring).
   """
   num_kinds: int
   least_probe: tuple[int, ...]
   budget: float = FALLBACK_BUDGET
 
+  @property
+  def share(self) -> float:
+    """What one kind's probe, and separately its retries, may lose."""
+    return self.budget / (2 * self.num_kinds)
+
   def start(self, costs: Array, max_tokens: Array) -> State:
     """Fresh accounts for rows with budgets `max_tokens` [B]; costs: [K] break-evens."""
     b = max_tokens.shape[0]
     probe = probe_steps(costs[None, :], max_tokens[:, None],
-                        jnp.asarray(self.least_probe, jnp.int32)[None, :], self.budget)
+                        jnp.asarray(self.least_probe, jnp.int32)[None, :], self.share)
     zeros = jnp.zeros((b, self.num_kinds), jnp.int32)
     return State(pays=probe > 0, idle=zeros, tokens=zeros, steps=zeros, probe=probe)
 
@@ -123,26 +141,40 @@ class AutoPolicy:
     """
     kinds = jnp.arange(1, self.num_kinds + 1)
     wants = jnp.max(jnp.where(state.pays & ready, kinds, 0), axis=1)  # [B]
-    deciding = jnp.argmax(jnp.where(active & greedy, remaining, -1))
-    kind = jnp.where(jnp.any(active & greedy), wants[deciding], 0)
-    kind = jnp.maximum(kind, jnp.max(jnp.where(active & ~greedy, wants, 0)))
+    deciding = _deciding(active, greedy, remaining)
+    kind = jnp.max(jnp.where(deciding, wants, 0))
     kind = jnp.where(force >= 0, force, kind)
     row_kind = jnp.where(greedy | (force >= 0), kind, jnp.minimum(wants, kind))
     return kind.astype(jnp.int32), row_kind.astype(jnp.int32)
 
+  def quiet_steps(self, state: State, ready: Array, active: Array, greedy: Array,
+                  remaining: Array, force: Array, costs: Array) -> Array:
+    """[] >= 1: one-token steps that a step of kind 0 certainly stands for (the loop runs them
+    without judging each): 1 where a row whose wants decide has a kind that pays (its drafter
+    may be ready next step), else until one step before such a row's first retry (`observe`
+    fires it on time whatever float rounding does); every step under `force`."""
+    del ready
+    deciding = _deciding(active, greedy, remaining)[:, None]
+    due = jnp.ceil(jnp.maximum(costs - 1, 0) / self.share)[None, :] - state.idle - 1
+    quiet = jnp.min(jnp.where(deciding & ~state.pays, due, 2**30))
+    quiet = jnp.where(jnp.any(deciding & state.pays), 1, jnp.maximum(quiet, 1))
+    return jnp.where(force >= 0, 2**30, quiet).astype(jnp.int32)
+
   def observe(self, state: State, costs: Array, row_kind: Array, emitted: Array,
-              active: Array) -> State:
-    """The accounts after a step in which each active row verified the drafts of `row_kind`
-    [B] (0: none) and emitted `emitted` [B] tokens; then each row's judgement."""
+              steps_taken: Array) -> State:
+    """The accounts after a step in which each row verified the drafts of `row_kind` [B] (0:
+    none; then possibly several one-token steps) over `steps_taken` [B] steps (0: finished) and
+    emitted `emitted` [B] tokens; then each row's judgement."""
+    active = steps_taken > 0
     counted = active[:, None] & (jnp.arange(1, self.num_kinds + 1)[None, :] == row_kind[:, None])
     tokens = state.tokens + jnp.where(counted, emitted[:, None], 0)
     steps = state.steps + counted.astype(jnp.int32)
     early = steps < state.probe
     pays = state.pays & (early | (tokens.astype(jnp.float32)
                                   >= costs[None, :] * steps.astype(jnp.float32)))
-    idle = jnp.where(pays, 0, state.idle + active[:, None])
+    idle = jnp.where(pays, 0, state.idle + steps_taken[:, None])
     failed_retry = jnp.maximum(costs[None, :] - 1, 0)  # One step whose drafts all fail.
-    retry = ~pays & (idle.astype(jnp.float32) * (self.budget / 2) >= failed_retry)
+    retry = ~pays & (idle.astype(jnp.float32) * self.share >= failed_retry)
     keep = active[:, None]
     return State(pays=jnp.where(keep, pays | retry, state.pays),
                  idle=jnp.where(keep, jnp.where(retry, 0, idle), state.idle),
@@ -174,7 +206,9 @@ def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, st
   The two kinds of step take turns, and the fastest run of each counts: load from other work
   only ever adds time. (The median of per-pair ratios, used once, read 1.25 for a heads' block
   whose fastest runs cost 2.0 one-token steps, on a busy machine: drafting then ran where it
-  lost.)
+  lost.) The fastest call that runs no step is taken off each run: a decoding call pays it once,
+  16 timed steps would each carry a 16th of it (the demo model's heads' block read 1.6 one-token
+  steps with it, 1.9 without).
 
   Args:
     engine: a `decode.engine.Engine` whose plan has this kind.
@@ -194,9 +228,11 @@ def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, st
       return float(cached['break_even'])
 
   def timed(k: int) -> float:
-    return engine.seconds_per_step(prompts, lengths, kind=k, steps=steps)
+    return engine.seconds_per_step(prompts, lengths, kind=k, steps=steps, overhead=overhead)
 
+  overhead = 0.0
   timed(kind), timed(0)  # Compiles (decoding then reuses it) and warms up.
+  overhead = min(engine.seconds_per_call(prompts, lengths) for _ in range(repeats))
   pairs = [(timed(kind), timed(0)) for _ in range(repeats)]
   drafting, one_token = min(d for d, _ in pairs), min(o for _, o in pairs)
   ratio = drafting / one_token

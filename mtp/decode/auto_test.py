@@ -64,16 +64,21 @@ def _run(model, prompts, max_new, *, right, break_even, right_rows=None, tree=No
 
 
 def test_the_probe_keeps_the_worst_case_within_the_budget():
-  budget = auto.FALLBACK_BUDGET
+  budget = auto.FALLBACK_BUDGET / 2  # A plan of one kind: half for its probe.
   assert auto.probe_steps(0.9, 128) == auto.MOST_PROBE  # Drafting is free: the longest probe.
   assert auto.probe_steps(2.0, 128) == min(auto.MOST_PROBE, int(budget * 128 / 1.0))
-  assert auto.probe_steps(3.4, 128) == int(budget * 128 / 2.4)
+  assert auto.probe_steps(3.4, 512) == int(budget * 512 / 2.4)
   # Where one failed step would lose more than the budget of a short completion: no probe.
   assert auto.probe_steps(30.0, 16) == 0
   assert auto.probe_steps(1.1, 1000) == auto.MOST_PROBE
-  # A floor for drafters whose drafts pass all or nothing, where the budget allows a probe.
-  assert auto.probe_steps(2.5, 128, least=4) == max(4, int(budget * 128 / 1.5))
-  assert auto.probe_steps(30.0, 16, least=4) == 0
+  # Drafters whose drafts pass all or nothing get `least` steps, or none where the budget
+  # cannot afford them.
+  assert auto.probe_steps(2.0, 200, least=4) == int(budget * 200 / 1.0) >= 4
+  assert auto.probe_steps(2.5, 128, least=4) == 0 < int(budget * 128 / 1.5)
+  # A plan of two kinds shares the budget between them.
+  policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
+  state = policy.start(jnp.asarray([2.0, 2.0]), jnp.asarray([128]))
+  assert np.asarray(state.probe).tolist() == [[int(budget / 2 * 128 / 1.0)] * 2]
   # Vectorized, as the loop calls it.
   np.testing.assert_array_equal(
       auto.probe_steps(jnp.asarray([0.9, 30.0]), jnp.asarray([128, 16])), [8, 0])
@@ -98,13 +103,14 @@ def test_drafts_that_pay_keep_drafting(model, prompts):
 
 
 def test_a_break_even_out_of_reach_stops_drafting_after_the_probe(model, prompts):
-  # Even oracle drafts (DEPTH + 1 = 4 tokens a step) fall short of 5 tokens a step.
-  max_new = 120
-  probe = auto.probe_steps(5.0, max_new)
+  # Even oracle drafts (a chain of one: 2 tokens a step) fall short of 2.5 tokens a step; a
+  # retry would wait 60 steps, more than the completion has.
+  max_new = 60
+  probe = auto.probe_steps(2.5, max_new)
   assert probe >= 1
-  hist, _ = _run(model, prompts, max_new, right=True, break_even=5.0)
-  np.testing.assert_array_equal(hist[:, DEPTH + 1], probe)  # The probe's full steps.
-  np.testing.assert_array_equal(hist[:, 1], max_new - 1 - probe * (DEPTH + 1))
+  hist, _ = _run(model, prompts, max_new, right=True, break_even=2.5, tree=1)
+  np.testing.assert_array_equal(hist[:, 2], probe)  # The probe's full steps.
+  np.testing.assert_array_equal(hist[:, 1], max_new - 1 - probe * 2)
 
 
 def test_a_probe_that_would_cost_more_than_it_can_win_never_runs(model, prompts):
@@ -116,8 +122,9 @@ def test_a_batch_runs_the_kind_its_row_with_most_left_wants(model, prompts):
   # Rows 0 and 1 get oracle drafts (4 tokens a step), row 2 wrong ones (1): drafting pays for
   # rows 0 and 1, but the batch runs until row 2 is done, and for row 2 drafting costs 2 steps'
   # time for 1 token. So after the probe the batch decodes one token a step.
-  max_new = 24
+  max_new = 40
   probe = auto.probe_steps(2.0, max_new)
+  assert probe >= 1
   hist, _ = _run(model, prompts, max_new, right=True, break_even=2.0, right_rows=(0, 1))
   np.testing.assert_array_equal(hist[:2, DEPTH + 1], probe)  # The probe's full steps only.
   np.testing.assert_array_equal(hist[2, 2:], 0)
@@ -185,7 +192,7 @@ def test_lookup_drafts_are_ready_where_their_key_matched_enough_tokens():
 
 def test_the_step_kind_comes_from_the_rows_accounts():
   policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 4))
-  state = policy.start(jnp.asarray([1.5, 3.0]), jnp.asarray([128, 128, 128]))
+  state = policy.start(jnp.asarray([1.5, 3.0]), jnp.asarray([1024, 1024, 1024]))
   everyone = jnp.ones((3,), bool)
   greedy = jnp.asarray([True, True, False])
   ready = jnp.asarray([[True, True], [True, False], [True, True]])
@@ -205,11 +212,30 @@ def test_each_kind_stops_paying_on_its_own_per_row():
   policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
   costs = jnp.asarray([2.0, 4.0])
   state = policy.start(costs, jnp.asarray([1000, 1000]))
-  active = jnp.ones((2,), bool)
+  steps = jnp.ones((2,), jnp.int32)  # One step each.
   for _ in range(int(state.probe.max()) + 1):
     # Row 0 makes 3 tokens in heads' steps (pays); row 1 makes 3 in whole-block steps (short).
-    state = policy.observe(state, costs, jnp.asarray([1, 2]), jnp.asarray([3, 3]), active)
+    state = policy.observe(state, costs, jnp.asarray([1, 2]), jnp.asarray([3, 3]), steps)
   assert np.asarray(state.pays).tolist() == [[True, True], [True, False]]
+
+
+def test_one_token_steps_run_unjudged_until_a_deciding_row_could_want_a_kind():
+  policy = auto.AutoPolicy(num_kinds=1, least_probe=(1,))
+  costs = jnp.asarray([2.0])  # A failed retry loses 1 step: due after 1 / share steps idle.
+  stopped = auto.State(pays=jnp.asarray([[False], [False]]), idle=jnp.asarray([[5], [30]]),
+                       tokens=jnp.zeros((2, 1), jnp.int32), steps=jnp.zeros((2, 1), jnp.int32),
+                       probe=jnp.ones((2, 1), jnp.int32))
+  rows = (jnp.ones((2, 1), bool), jnp.ones((2,), bool), jnp.asarray([True, True]),
+          jnp.asarray([40, 10]))
+  due = int(np.ceil(1 / policy.share))
+  # Row 0 decides (most left): one step short of its retry, which `observe` then fires.
+  assert int(policy.quiet_steps(stopped, *rows, jnp.int32(-1), costs)) == due - 5 - 1
+  # A sampled row decides too: the earlier retry bounds the run.
+  sampled = (rows[0], rows[1], jnp.asarray([True, False]), rows[3])
+  assert int(policy.quiet_steps(stopped, *sampled, jnp.int32(-1), costs)) == due - 30 - 1
+  paying = stopped.replace(pays=jnp.asarray([[True], [False]]))
+  assert int(policy.quiet_steps(paying, *rows, jnp.int32(-1), costs)) == 1
+  assert int(policy.quiet_steps(paying, *rows, jnp.int32(0), costs)) > 10**6  # Measuring.
 
 
 @pytest.mark.parametrize('break_even', [(0.0, 0.0), (50.0, 0.0), (0.0, 50.0)])
@@ -226,6 +252,7 @@ def test_seconds_per_step_times_each_kind_on_the_decoding_loop(model, prompts):
   for kind in (0, 1, 2, 0):
     seconds = engine.seconds_per_step(prompts, PROMPT_LENGTHS, kind=kind, steps=4)
     assert 0 < seconds < 10
+    assert 0 < engine.seconds_per_call(prompts, PROMPT_LENGTHS) < 10
     compiled = compiled or engine_lib.compilations()
   assert engine_lib.compilations() == compiled  # The kind is data: one compiled loop.
 
@@ -234,26 +261,34 @@ def test_break_even_is_measured_once_then_read_from_the_cache(model, prompts, tm
                                                               monkeypatch):
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   calls = []
-  # Drafting steps cost 3 ms; one-token steps 2 ms, but a burst of load hits one of them.
+  # Drafting steps cost 3 ms; one-token steps 2 ms, but a burst of load hits one of them; and a
+  # call costs 16 ms whatever it runs, which the ratio must not count (else 64 / 48 ms).
   one_token = iter([0.002, 0.002, 0.006, 0.002, 0.002, 0.002] * 4)
+  call = 0.016
 
-  def timed(self, prompts, lengths, *, kind, steps=16):
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0):
     calls.append(kind)
-    return 0.003 if kind else next(one_token)
+    return ((0.003 if kind else next(one_token)) * steps + call - overhead) / steps
 
-  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', timed)
+  def per_call(self, prompts, lengths):
+    calls.append('call')
+    return call
+
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', per_step)
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_call', per_call)
   engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)
-  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == 1.5
-  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == 1.5
-  # One compiling pair, then five pairs taking turns; the second call reads the cache.
-  assert calls == [1, 0] + [1, 0] * 5
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == pytest.approx(1.5)
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == pytest.approx(1.5)
+  # One compiling pair, the calls' cost, then five pairs taking turns; the second call reads
+  # the cache.
+  assert calls == [1, 0] + ['call'] * 5 + [1, 0] * 5
   table = measurements.read_table('break_even.json')
   assert len(table) == 1 and len(next(iter(table.values()))['ratios']) == 5
   # A corrupt entry is measured again, not trusted.
   key = next(iter(table))
   measurements.store('break_even.json', key, {'break_even': 'fast'})
-  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == 1.5
-  assert len(calls) == 24
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == pytest.approx(1.5)
+  assert len(calls) == 34
 
 
 def test_the_real_measurement_is_a_positive_ratio(model, prompts, tmp_path, monkeypatch):

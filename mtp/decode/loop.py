@@ -107,9 +107,7 @@ def _logits(model, plan, normed: Array) -> Array:
 def _head_vocab(model, plan, data):
   """The heads' draft vocabulary, gathered once per call outside the steps (XLA does not hoist
   it out of a loop's branch); None without one."""
-  if plan.draft_vocab_size:
-    return model.draft_vocab(data.drafters[plan.heads_drafter])
-  return None
+  return model.draft_vocab(data.drafters[plan.heads_drafter]) if plan.draft_vocab_size else None
 
 
 def _head_logits(model, plan, vocab, features, tokens: Array, last_index: Array, cache,
@@ -143,8 +141,7 @@ def _append(s: LoopState, emitted: Array, num_emitted: Array, logprobs: Logprobs
   """Appends each running row's new tokens, cut exactly where one-token decoding would stop:
   after a stop id (kept) or at the row's budget. Returns (tokens, logprobs, num_generated,
   reason, kept [B])."""
-  width = emitted.shape[1]
-  index = jnp.arange(width)[None, :]
+  index = jnp.arange(emitted.shape[1])[None, :]
   running = s.reason == RUNNING
   budget = s.settings.max_tokens
   take = jnp.where(running, jnp.minimum(num_emitted, budget - s.num_generated), 0)
@@ -155,10 +152,8 @@ def _append(s: LoopState, emitted: Array, num_emitted: Array, logprobs: Logprobs
   take = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, take)
   write = functools.partial(kv_cache_lib.write_rows, offsets=s.num_generated)
   tokens = write(s.tokens, jnp.where(index < take[:, None], emitted, 0).astype(s.tokens.dtype))
-  if s.logprobs.chosen.shape[1]:
-    logprobs = jax.tree.map(lambda old, new: write(old, new), s.logprobs, logprobs)
-  else:
-    logprobs = s.logprobs
+  logprobs = (jax.tree.map(lambda old, new: write(old, new), s.logprobs, logprobs)
+              if s.logprobs.chosen.shape[1] else s.logprobs)
   num_generated = s.num_generated + take
   reason = jnp.where(~running, s.reason, jnp.where(
       hit, STOP_ID, jnp.where(num_generated >= budget, LENGTH, RUNNING)))
@@ -357,30 +352,37 @@ def run(model, data, plan, state: LoopState, max_steps: Array) -> LoopState:
       return i + 1, _one_token_step(*step_args, s)
     active = s.reason == RUNNING
     ready = jnp.stack([d.ready(state) for d, state in zip(plan.drafters, s.drafters)], axis=1)
-    kind, row_kind = plan.policy.choose(
-        s.policy, ready, active, s.settings.temperature == 0,
-        s.settings.max_tokens - s.num_generated, data.force)
+    rows = (s.policy, ready, active, s.settings.temperature == 0,
+            s.settings.max_tokens - s.num_generated, data.force)
+    kind, row_kind = plan.policy.choose(*rows)
+    quiet = jnp.minimum(plan.policy.quiet_steps(*rows, data.costs), max_steps - i)
     branches = [functools.partial(_one_token_step, *step_args)] + [
         functools.partial(_drafting_step, *step_args, kind=k) for k in range(1, kinds + 1)]
-    new = _run_kind(kind, branches, s, row_kind)
+    new, passes = _run_kind(kind, quiet, branches, s, row_kind)
     policy = plan.policy.observe(s.policy, data.costs, jnp.where(kind > 0, row_kind, 0),
-                                 new.num_generated - s.num_generated, active)
-    return i + 1, new.replace(policy=policy)
+                                 new.num_generated - s.num_generated, new.num_steps - s.num_steps)
+    return i + passes, new.replace(policy=policy)
 
   _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
   return state
 
 
-def _run_kind(kind: Array, branches, s: LoopState, row_kind: Array) -> LoopState:
-  """`branches[kind](s, row_kind)`, as one while loop of at most one pass per kind: a
-  `lax.switch` copied the whole KV cache into and out of its branches on every step (XLA:CPU,
-  +40% per one-token step); a while loop's body updates its carry in place."""
+def _run_kind(kind: Array, quiet: Array, branches, s: LoopState, row_kind: Array):
+  """`branches[kind](s, row_kind)` (kind 0: up to `quiet` one-token steps, while every row
+  that runs keeps running) and the passes it made, as one while loop per kind: a `lax.switch`
+  copied the whole KV cache into and out of its branches each step (XLA:CPU, +40% per
+  one-token step), a while loop's body updates its carry in place."""
+  running = jnp.sum(s.reason == RUNNING)
+  passes = jnp.zeros((), jnp.int32)
   for k, branch in enumerate(branches):
+    limit = jnp.where(kind == k, quiet if k == 0 else 1, 0)
+    def more(carry, limit=limit):
+      return (carry[0] < limit) & (jnp.sum(carry[1].reason == RUNNING) == running)
     def once(carry, branch=branch):
-      return jnp.bool_(True), branch(carry[1], row_kind)
-    s = jax.lax.while_loop(lambda carry, k=k: ~carry[0] & (kind == k), once,
-                           (jnp.bool_(False), s))[1]
-  return s
+      return carry[0] + 1, branch(carry[1], row_kind)
+    done, s = jax.lax.while_loop(more, once, (jnp.zeros((), jnp.int32), s))
+    passes += done
+  return s, passes
 
 
 # ---- Rows joining and leaving. ----------------------------------------------------------

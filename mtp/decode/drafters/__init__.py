@@ -20,8 +20,9 @@ A drafter is a frozen dataclass (hashable: part of the compiled decoder's identi
 vocabulary's ids), passed to the compiled loop as arguments, so new data of the same shapes
 compiles nothing. Drafters that read the model's MTP heads set `head_depth` (and `vocab_size`,
 a draft vocabulary, whose [M] ids are then their data): the loop runs the heads after each
-verification and hands their draft logits to `update` (`Accepted.head_logits`). A drafter whose tree changes per row and step (a dynamic tree) sets
-`dynamic` and gives `row_trees(state)`; it verifies alone.
+verification and hands their draft logits to `update` (`Accepted.head_logits`). A drafter
+whose tree changes per row and step (a dynamic tree) sets `dynamic` and gives
+`row_trees(state)`; it verifies alone.
 
 How to add a drafter: write `mtp/decode/drafters/<name>.py` with one frozen dataclass that
 subclasses `Drafter` and implements `tree`, `start`, `update` and `drafts` (and `ready` or
@@ -29,8 +30,8 @@ subclasses `Drafter` and implements `tree`, `start`, `update` and `drafts` (and 
 tokens), `update` an `Accepted` (the tokens each row emitted this step and where they sit), and
 both return the drafter's new state, any pytree of [B, ...] arrays. Then add one line to the
 plan's `DRAFTERS` registry (`mtp/decode/plan.py`): a function that builds it, and its data,
-from the model and the user's options. The
-loop, the engine, the server and the export need no change: `ngram.py` was added this way.
+from the model and the user's options. The loop, the engine, the server and the export need
+no change: `ngram.py` was added this way.
 """
 
 from __future__ import annotations
