@@ -56,7 +56,7 @@ flags.DEFINE_string('tree', None, 'The heads\' candidates: ' + '; '.join(
 flags.DEFINE_integer('tree_budget', None, 'Nodes per step of a dynamic tree, root included '
                      '(--tree is then its superset; with --tree=dynamic, default: sized from '
                      'the heads\' measured accuracies and this hardware\'s cost curve).')
-flags.DEFINE_integer('lookup', None, 'Drafting decoders, greedy: add a chain of this many '
+flags.DEFINE_integer('lookup', None, 'Drafting decoders: add a chain of this many '
                      'prompt-lookup drafts (copies of what followed the text\'s last tokens '
                      'before) to the tree. Default: 8 for auto (verified only where they look '
                      'likely to pass), 0 otherwise.')

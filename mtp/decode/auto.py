@@ -43,9 +43,10 @@ from mtp.decode import measurements
 Array = jax.Array
 # What a row may lose to one-token decoding in the worst case, where every draft fails: its
 # probes and retries of every kind of drafting together are sized to lose at most this fraction
-# of its one-token steps (a budget of 5% per kind, probe and retries each, read 0.93-0.95x on
-# validation code at batch 8, where every failed probe of a batch's deciding row is paid by all).
-FALLBACK_BUDGET = 0.05
+# of its one-token steps: 3%, so that `auto` keeps at least 0.97x plain decoding's speed where
+# nothing pays. (5% per kind, probe and retries each, read 0.93-0.95x at batch 8 on validation
+# code, where a batch's deciding row's failed probes are paid by every row.)
+FALLBACK_BUDGET = 0.03
 # Most probe steps (acceptance is noisy over fewer, and more only delays the judgement).
 MOST_PROBE = 8
 # The fewest probe steps of drafters whose drafts pass all or nothing (prompt lookup): judged on
@@ -55,7 +56,7 @@ ALL_OR_NOTHING_LEAST_PROBE = 4
 _TABLE = 'break_even.json'
 # Bumped when the decode loop's steps change cost or the way they are timed, so that older
 # measurements are not reused.
-_LOOP_VERSION = 8
+_LOOP_VERSION = 9
 
 
 @flax.struct.dataclass
@@ -116,11 +117,15 @@ class AutoPolicy:
     """What one kind's probe, and separately its retries, may lose."""
     return self.budget / (2 * self.num_kinds)
 
-  def start(self, costs: Array, max_tokens: Array) -> State:
-    """Fresh accounts for rows with budgets `max_tokens` [B]; costs: [K] break-evens."""
+  def start(self, costs: Array, max_tokens: Array, expected: Array | None = None) -> State:
+    """Fresh accounts for rows with budgets `max_tokens` [B]; costs: [K] break-evens; expected:
+    [K] tokens per step predicted (inf: unknown): a kind predicted below its break-even starts
+    stopped (its retries still sample it)."""
     b = max_tokens.shape[0]
     probe = probe_steps(costs[None, :], max_tokens[:, None],
                         jnp.asarray(self.least_probe, jnp.int32)[None, :], self.share)
+    if expected is not None:
+      probe = jnp.where(expected[None, :] < costs[None, :], 0, probe)
     zeros = jnp.zeros((b, self.num_kinds), jnp.int32)
     return State(pays=probe > 0, idle=zeros, tokens=zeros, steps=zeros, probe=probe)
 
@@ -198,7 +203,7 @@ def _cache_key(engine, batch_size: int, prompt_width: int, kind: int) -> str:
           f'|V{plan.draft_vocab_size}|M{plan.max_new_tokens}')
 
 
-def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, steps: int = 16,
+def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, steps: int = 64,
                repeats: int = 5) -> float:
   """Seconds per drafting step of `kind` over seconds per one-token step, for `engine`'s
   compiled loop on these prompts (greedy), measured once and cached (`measurements`).
@@ -206,9 +211,10 @@ def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, st
   The two kinds of step take turns, and the fastest run of each counts: load from other work
   only ever adds time. (The median of per-pair ratios, used once, read 1.25 for a heads' block
   whose fastest runs cost 2.0 one-token steps, on a busy machine: drafting then ran where it
-  lost.) The fastest call that runs no step is taken off each run: a decoding call pays it once,
-  16 timed steps would each carry a 16th of it (the demo model's heads' block read 1.6 one-token
-  steps with it, 1.9 without).
+  lost.) The fastest call that runs no step is taken off each run, which a decoding call pays
+  once (the demo model's heads' block at batch 1 read 1.6 one-token steps over 16 steps with
+  it, 1.9 without); and runs of 64 steps, not 16, read 1.31 for its block at batch 8 where 16
+  read 1.24 (decoding it cost about 1.4).
 
   Args:
     engine: a `decode.engine.Engine` whose plan has this kind.

@@ -7,11 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mtp
 from mtp.decode import auto
+from mtp.decode import calibration
 from mtp.decode import engine as engine_lib
 from mtp.decode import measurements
+from mtp.decode import plan as plan_lib
 from mtp.decode import settings as settings_lib
 from mtp.decode import testing as decode_testing
+from mtp.decode import trees
 from mtp.decode.drafters import lookup
 from mtp.model import testing
 
@@ -73,12 +77,12 @@ def test_the_probe_keeps_the_worst_case_within_the_budget():
   assert auto.probe_steps(1.1, 1000) == auto.MOST_PROBE
   # Drafters whose drafts pass all or nothing get `least` steps, or none where the budget
   # cannot afford them.
-  assert auto.probe_steps(2.0, 200, least=4) == int(budget * 200 / 1.0) >= 4
+  assert auto.probe_steps(2.0, 400, least=4) == int(budget * 400 / 1.0) >= 4
   assert auto.probe_steps(2.5, 128, least=4) == 0 < int(budget * 128 / 1.5)
   # A plan of two kinds shares the budget between them.
   policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
-  state = policy.start(jnp.asarray([2.0, 2.0]), jnp.asarray([128]))
-  assert np.asarray(state.probe).tolist() == [[int(budget / 2 * 128 / 1.0)] * 2]
+  state = policy.start(jnp.asarray([2.0, 2.0]), jnp.asarray([512]))
+  assert np.asarray(state.probe).tolist() == [[int(budget / 2 * 512 / 1.0)] * 2]
   # Vectorized, as the loop calls it.
   np.testing.assert_array_equal(
       auto.probe_steps(jnp.asarray([0.9, 30.0]), jnp.asarray([128, 16])), [8, 0])
@@ -95,22 +99,11 @@ def test_rejected_drafts_fall_back_to_one_token_steps_exactly(model, prompts):
 def test_drafts_that_pay_keep_drafting(model, prompts):
   max_new = 64
   _, never = _run(model, prompts, max_new, right=True, break_even=0.0)
-  hist, paying = _run(model, prompts, max_new, right=True, break_even=2.5)
-  assert auto.probe_steps(2.5, max_new) >= 1
+  hist, paying = _run(model, prompts, max_new, right=True, break_even=1.9)
+  assert auto.probe_steps(1.9, max_new) >= 1
   np.testing.assert_array_equal(paying.num_steps, never.num_steps)
   # Oracle drafts: DEPTH + 1 tokens per step until the budget cuts the last one.
   assert np.all(np.asarray(paying.num_steps) <= -(-(max_new - 1) // (DEPTH + 1)))
-
-
-def test_a_break_even_out_of_reach_stops_drafting_after_the_probe(model, prompts):
-  # Even oracle drafts (a chain of one: 2 tokens a step) fall short of 2.5 tokens a step; a
-  # retry would wait 60 steps, more than the completion has.
-  max_new = 60
-  probe = auto.probe_steps(2.5, max_new)
-  assert probe >= 1
-  hist, _ = _run(model, prompts, max_new, right=True, break_even=2.5, tree=1)
-  np.testing.assert_array_equal(hist[:, 2], probe)  # The probe's full steps.
-  np.testing.assert_array_equal(hist[:, 1], max_new - 1 - probe * 2)
 
 
 def test_a_probe_that_would_cost_more_than_it_can_win_never_runs(model, prompts):
@@ -120,13 +113,15 @@ def test_a_probe_that_would_cost_more_than_it_can_win_never_runs(model, prompts)
 
 def test_a_batch_runs_the_kind_its_row_with_most_left_wants(model, prompts):
   # Rows 0 and 1 get oracle drafts (4 tokens a step), row 2 wrong ones (1): drafting pays for
-  # rows 0 and 1, but the batch runs until row 2 is done, and for row 2 drafting costs 2 steps'
-  # time for 1 token. So after the probe the batch decodes one token a step.
-  max_new = 40
-  probe = auto.probe_steps(2.0, max_new)
-  assert probe >= 1
-  hist, _ = _run(model, prompts, max_new, right=True, break_even=2.0, right_rows=(0, 1))
-  np.testing.assert_array_equal(hist[:2, DEPTH + 1], probe)  # The probe's full steps only.
+  # rows 0 and 1, but the batch runs until row 2 is done, and for row 2 drafting costs 1.9
+  # steps' time for 1 token. So after the probe the batch decodes one token a step, but for
+  # row 2's one retry (after 60 one-token steps).
+  max_new = 100
+  probe = auto.probe_steps(1.9, max_new)
+  wait = int(np.ceil(0.9 / (auto.FALLBACK_BUDGET / 2)))
+  assert probe >= 1 and probe + wait + 1 < max_new - 1 < probe + 2 * wait + 2
+  hist, _ = _run(model, prompts, max_new, right=True, break_even=1.9, right_rows=(0, 1))
+  np.testing.assert_array_equal(hist[:2, DEPTH + 1], probe + 1)  # The probe's and the retry's.
   np.testing.assert_array_equal(hist[2, 2:], 0)
 
 
@@ -139,8 +134,8 @@ def _oracle_chain_of_one(model, prompts, max_new, break_even):
 
 def test_a_stopped_kind_is_tried_again_within_the_budget(model, prompts):
   # 2 tokens a step fall short of 2.2: drafting stops after its probe. A failed retry step
-  # loses 2.2 - 1 = 1.2 one-token steps, half the budget of 48 of them at 5%: it is tried again
-  # for one step after 48 one-token steps, and stops again.
+  # loses 2.2 - 1 = 1.2 one-token steps, half the budget of 80 of them at 3%: it is tried again
+  # for one step after 80 one-token steps, and stops again.
   probe = auto.probe_steps(2.2, 100)
   wait = int(np.ceil(1.2 / (auto.FALLBACK_BUDGET / 2)))
   assert 2 * probe + wait + 2 < 100 - 1 < 2 * probe + 2 * wait + 4  # Room for one retry.
@@ -192,7 +187,7 @@ def test_lookup_drafts_are_ready_where_their_key_matched_enough_tokens():
 
 def test_the_step_kind_comes_from_the_rows_accounts():
   policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 4))
-  state = policy.start(jnp.asarray([1.5, 3.0]), jnp.asarray([1024, 1024, 1024]))
+  state = policy.start(jnp.asarray([1.5, 2.0]), jnp.asarray([1024, 1024, 1024]))
   everyone = jnp.ones((3,), bool)
   greedy = jnp.asarray([True, True, False])
   ready = jnp.asarray([[True, True], [True, False], [True, True]])
@@ -217,6 +212,22 @@ def test_each_kind_stops_paying_on_its_own_per_row():
     # Row 0 makes 3 tokens in heads' steps (pays); row 1 makes 3 in whole-block steps (short).
     state = policy.observe(state, costs, jnp.asarray([1, 2]), jnp.asarray([3, 3]), steps)
   assert np.asarray(state.pays).tolist() == [[True, True], [True, False]]
+
+
+def test_a_kind_predicted_below_its_break_even_starts_stopped(tiny_workdir):
+  policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
+  costs, budgets = jnp.asarray([1.5, 1.5]), jnp.asarray([1000])
+  state = policy.start(costs, budgets, jnp.asarray([1.2, jnp.inf]))
+  assert np.asarray(state.pays).tolist() == [[False, True]]
+  assert np.asarray(state.probe)[0, 1] == auto.probe_steps(1.5, 1000, budget=policy.share)
+  # The plan predicts the heads' tree's tokens per step from their measured accuracies; the
+  # block with lookup beside it has no prediction.
+  loaded = mtp.load(tiny_workdir)
+  engine = plan_lib.resolve(loaded, 'auto', max_new_tokens=16, break_even=[1.0, 1.0])
+  tree = engine.plan.drafters[0].tree
+  predicted = 1 + trees.expected_accepted_length(tree, calibration.workdir_accuracies(loaded))
+  expected = np.asarray(engine.data.expected)
+  assert expected[0] == pytest.approx(predicted) and np.isinf(expected[1])
 
 
 def test_one_token_steps_run_unjudged_until_a_deciding_row_could_want_a_kind():

@@ -230,9 +230,9 @@ def prefill(model, data, plan, prompts: Array, lengths: Array, active: Array,
   prefilled = drafters_lib.Prefilled(prompts=prompts, lengths=lengths, first_token=first,
                                      head_logits=head_logits)
   states = tuple(d.start(prefilled, data.drafters[i]) for i, d in enumerate(plan.drafters))
-  policy = () if plan.policy is None else plan.policy.start(data.costs, settings.max_tokens)
   return empty.replace(tokens=tokens, logprobs=logprobs, num_generated=num_generated,
-                       reason=reason, drafters=states, policy=policy)
+                       reason=reason, drafters=states, policy=() if plan.policy is None else
+                       plan.policy.start(data.costs, settings.max_tokens, data.expected))
 
 
 # ---- The steps. -------------------------------------------------------------------------

@@ -65,11 +65,14 @@ class PlanData:
     costs: [K] the `auto` policy's break-even of each kind of drafting step ([0] without one).
     force: [] a kind of step to run every step (-1: the policy's choice; measurements).
     hook: the plan's draft hook's data (tests), or None.
+    expected: [K] each kind's tokens per step predicted from measured accuracies (inf where
+      none predicts them); `auto` does not probe a kind predicted below its break-even.
   """
   drafters: tuple
   costs: Array
   force: Array
   hook: object = None
+  expected: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,7 +523,8 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
       max_stop_ids=_check_int('max_stop_ids', max_stop_ids, 1), logprobs=logprobs,
       row_mapped=bool(exact), mesh=mesh, draft_hook=draft_hook)
   plan_data = PlanData(drafters=data, costs=jnp.zeros((len(built),), jnp.float32),
-                            force=jnp.int32(-1), hook=hook_data)
+                       force=jnp.int32(-1), hook=hook_data,
+                       expected=jnp.full((len(built),), jnp.inf, jnp.float32))
   engine = engine_lib.Engine(source, plan, plan_data)
   if policy is not None:
     if break_even is None:
@@ -531,8 +535,24 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
     costs = np.broadcast_to(np.asarray(break_even, np.float32), (len(built),))
     if not np.all(np.isfinite(costs) & (costs >= 0)):
       raise ValueError(f'break_even must be finite numbers >= 0, got {break_even!r}')
-    engine = engine.with_data(costs=jnp.asarray(costs))
+    engine = engine.with_data(costs=jnp.asarray(costs), expected=jnp.asarray(
+        _expected_tokens(options, built), jnp.float32))
   return engine
+
+
+def _expected_tokens(o: Options, built) -> list[float]:
+  """Each kind's tokens per step predicted by the heads' measured accuracies: a kind that is
+  the heads' static tree alone (measured where the tree was: `auto` trees); inf elsewhere.
+  (The demo model's trees read 1.57 and 1.32 predicted, 1.53 and 1.43 decoded.)"""
+  expected = [np.inf] * len(built)
+  first = built[0] if built else None
+  if hasattr(o.source, 'workdir') and first is not None and first.head_depth and (
+      not first.dynamic):
+    try:
+      expected[0] = 1 + trees_lib.expected_accepted_length(first.tree, _accuracies(o.source))
+    except (OSError, ValueError):  # No validation code to measure on: no prediction.
+      pass
+  return expected
 
 
 def _random_prompts(vocab_size: int, batch_size: int, width: int):
