@@ -94,8 +94,10 @@ MTP_AR = 'mtp autoregressive'
 MTP_CHAIN = 'mtp chain'
 MTP_TREE = 'mtp tree'
 MTP_TREE_LOOKUP = 'mtp tree + lookup'
+MTP_LOOKUP = 'mtp lookup'
 MTP_AUTO = 'mtp auto (default)'
-SPECULATIVE = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP, MTP_AUTO)
+SPECULATIVE = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP, MTP_LOOKUP, MTP_AUTO)
+HEADS_ONLY = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP)
 
 
 # ------------------------------------------------------------------------------------------
@@ -236,9 +238,14 @@ def decoders_by_batch(hf_model, hf_pad_id: int, loaded, batch_sizes) -> dict:
             f'{tree.num_nodes} + {FLAGS.mtp_lookup} nodes')
       table[b][MTP_AUTO] = Entry(mtp_decoder(no_eos, 'auto', lookup=None),
                                  'its own tree and lookup, stops where drafts do not pay')
-    else:
-      for name in SPECULATIVE:
+    else:  # Prompt lookup alone: the training-free speedup, as transformers' prompt lookup.
+      for name in HEADS_ONLY:
         table[b][name] = Entry(None, not_applicable=f'{loaded.workdir} has no heads')
+      if FLAGS.mtp_lookup:
+        table[b][MTP_LOOKUP] = Entry(mtp_decoder(no_eos, 'speculative', lookup=FLAGS.mtp_lookup),
+                                     f'{FLAGS.mtp_lookup} drafts, every step')
+      table[b][MTP_AUTO] = Entry(mtp_decoder(no_eos, 'auto', lookup=None),
+                                 'lookup alone, stops where drafts do not pay')
   return table
 
 
