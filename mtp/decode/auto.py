@@ -9,7 +9,9 @@ once per hardware, model shape, batch size and block on the very compiled loop t
 Each row keeps its own account (`State`): the tokens it emitted in steps of each kind and the
 steps it took. A kind starts paying for a row, is checked after a probe of a few steps, stops
 where the row's tokens per step fall below the break-even, and is tried again for one step once
-enough steps have passed that a failed retry loses at most its share of the budget of them.
+enough steps have passed that a failed retry loses at most its share of the budget of them,
+or at once where its newest drafter's evidence says its drafts would have paid since (prompt
+lookup checks its chains against the text it did not verify: `Drafter.evidence`).
 Where every draft fails, the probes and the retries of all kinds together lose at most
 `FALLBACK_BUDGET` of the row's one-token steps: each kind's probe at most its half of the
 kind's share of the row's token budget, its retries at most the other half of the steps since.
@@ -53,10 +55,12 @@ MOST_PROBE = 8
 # fewer, lookup on the demo model's validation-split code (which pays, 6 tokens a step) was
 # mostly stopped by its first unlucky step. Where the budget cannot afford as many, no probe.
 ALL_OR_NOTHING_LEAST_PROBE = 4
+# Most one-token steps run unjudged while a stopped kind's evidence could restart it.
+EVIDENCE_QUIET = 8
 _TABLE = 'break_even.json'
 # Bumped when the decode loop's steps change cost or the way they are timed, so that older
 # measurements are not reused.
-_LOOP_VERSION = 9
+_LOOP_VERSION = 10
 
 
 @flax.struct.dataclass
@@ -69,12 +73,15 @@ class State:
     tokens: tokens the row emitted in steps of the kind (since its last retry).
     steps: steps of the kind that worked on the row (since its last retry).
     probe: steps of the kind before it is first checked.
+    evidence: the tokens per step the kind's newest drafter says its drafts would have made
+      in recent steps, judged from the text (NaN: it cannot tell; `Drafter.evidence`).
   """
   pays: Array
   idle: Array
   tokens: Array
   steps: Array
   probe: Array
+  evidence: Array
 
 
 def probe_steps(break_even, max_tokens, least=1, budget: float = FALLBACK_BUDGET / 2):
@@ -107,10 +114,12 @@ class AutoPolicy:
 
   least_probe: per kind, the fewest probe steps it is judged on (see `probe_steps`).
   budget: what every kind's probes and retries together may lose (see the module's docstring).
+  evidence_kinds: per kind, whether its newest drafter gives evidence (`Drafter.evidence`).
   """
   num_kinds: int
   least_probe: tuple[int, ...]
   budget: float = FALLBACK_BUDGET
+  evidence_kinds: tuple[bool, ...] = ()
 
   @property
   def share(self) -> float:
@@ -127,7 +136,8 @@ class AutoPolicy:
     if expected is not None:
       probe = jnp.where(expected[None, :] < costs[None, :], 0, probe)
     zeros = jnp.zeros((b, self.num_kinds), jnp.int32)
-    return State(pays=probe > 0, idle=zeros, tokens=zeros, steps=zeros, probe=probe)
+    return State(pays=probe > 0, idle=zeros, tokens=zeros, steps=zeros, probe=probe,
+                 evidence=jnp.full((b, self.num_kinds), jnp.nan, jnp.float32))
 
   def choose(self, state: State, ready: Array, active: Array, greedy: Array,
              remaining: Array, force: Array) -> tuple[Array, Array]:
@@ -157,19 +167,25 @@ class AutoPolicy:
     """[] >= 1: one-token steps that a step of kind 0 certainly stands for (the loop runs them
     without judging each): 1 where a row whose wants decide has a kind that pays (its drafter
     may be ready next step), else until one step before such a row's first retry (`observe`
-    fires it on time whatever float rounding does); every step under `force`."""
+    fires it on time whatever float rounding does), at most `EVIDENCE_QUIET` where a stopped
+    kind's evidence may restart it; every step under `force`."""
     del ready
     deciding = _deciding(active, greedy, remaining)[:, None]
     due = jnp.ceil(jnp.maximum(costs - 1, 0) / self.share)[None, :] - state.idle - 1
+    if any(self.evidence_kinds):
+      watched = jnp.asarray(self.evidence_kinds)[None, :]
+      due = jnp.where(watched, jnp.minimum(due, EVIDENCE_QUIET), due)
     quiet = jnp.min(jnp.where(deciding & ~state.pays, due, 2**30))
     quiet = jnp.where(jnp.any(deciding & state.pays), 1, jnp.maximum(quiet, 1))
     return jnp.where(force >= 0, 2**30, quiet).astype(jnp.int32)
 
   def observe(self, state: State, costs: Array, row_kind: Array, emitted: Array,
-              steps_taken: Array) -> State:
+              steps_taken: Array, evidence: Array | None = None) -> State:
     """The accounts after a step in which each row verified the drafts of `row_kind` [B] (0:
     none; then possibly several one-token steps) over `steps_taken` [B] steps (0: finished) and
-    emitted `emitted` [B] tokens; then each row's judgement."""
+    emitted `emitted` [B] tokens; `evidence` [B, K]: each kind's newest drafter's (NaN: none).
+    Then each row's judgement: a stopped kind is retried when its wait is over or where its
+    evidence reaches the break-even."""
     active = steps_taken > 0
     counted = active[:, None] & (jnp.arange(1, self.num_kinds + 1)[None, :] == row_kind[:, None])
     tokens = state.tokens + jnp.where(counted, emitted[:, None], 0)
@@ -179,13 +195,17 @@ class AutoPolicy:
                                   >= costs[None, :] * steps.astype(jnp.float32)))
     idle = jnp.where(pays, 0, state.idle + steps_taken[:, None])
     failed_retry = jnp.maximum(costs[None, :] - 1, 0)  # One step whose drafts all fail.
-    retry = ~pays & (idle.astype(jnp.float32) * self.share >= failed_retry)
+    if evidence is None:
+      evidence = state.evidence
+    retry = ~pays & ((idle.astype(jnp.float32) * self.share >= failed_retry)
+                     | (evidence >= costs[None, :]))
     keep = active[:, None]
     return State(pays=jnp.where(keep, pays | retry, state.pays),
                  idle=jnp.where(keep, jnp.where(retry, 0, idle), state.idle),
                  tokens=jnp.where(keep & ~retry, tokens, jnp.where(keep, 0, state.tokens)),
                  steps=jnp.where(keep & ~retry, steps, jnp.where(keep, 0, state.steps)),
-                 probe=jnp.where(keep & retry, 1, state.probe))
+                 probe=jnp.where(keep & retry, 1, state.probe),
+                 evidence=jnp.where(keep, evidence, state.evidence))
 
 
 # ------------------------------------------------------------------------------------------

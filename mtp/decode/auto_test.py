@@ -17,6 +17,7 @@ from mtp.decode import settings as settings_lib
 from mtp.decode import testing as decode_testing
 from mtp.decode import trees
 from mtp.decode.drafters import lookup
+from mtp.decode.drafters import shadow
 from mtp.model import testing
 
 VOCAB = 61
@@ -181,7 +182,8 @@ REPEATING = np.array([[5, 6, 7, 5, 6, 7, 5], [9, 9, 9, 0, 0, 0, 0], [3, 4, 8, 1,
 def test_lookup_drafts_are_ready_where_their_key_matched_enough_tokens():
   drafter = lookup.LookupDrafter(length=4, capacity=16)
   state = lookup.State(context=jnp.zeros((3, 20), jnp.int32), drafts=jnp.zeros((3, 4)),
-                       key_length=jnp.asarray([0, lookup.MIN_KEY - 1, lookup.MIN_KEY]))
+                       key_length=jnp.asarray([0, lookup.MIN_KEY - 1, lookup.MIN_KEY]),
+                       shadow=shadow.start(jnp.zeros((3, 4)), jnp.zeros((3,), bool)))
   assert np.asarray(drafter.ready(state)).tolist() == [False, False, True]
 
 
@@ -235,7 +237,8 @@ def test_one_token_steps_run_unjudged_until_a_deciding_row_could_want_a_kind():
   costs = jnp.asarray([2.0])  # A failed retry loses 1 step: due after 1 / share steps idle.
   stopped = auto.State(pays=jnp.asarray([[False], [False]]), idle=jnp.asarray([[5], [30]]),
                        tokens=jnp.zeros((2, 1), jnp.int32), steps=jnp.zeros((2, 1), jnp.int32),
-                       probe=jnp.ones((2, 1), jnp.int32))
+                       probe=jnp.ones((2, 1), jnp.int32),
+                       evidence=jnp.full((2, 1), jnp.nan, jnp.float32))
   rows = (jnp.ones((2, 1), bool), jnp.ones((2,), bool), jnp.asarray([True, True]),
           jnp.asarray([40, 10]))
   due = int(np.ceil(1 / policy.share))
@@ -247,6 +250,30 @@ def test_one_token_steps_run_unjudged_until_a_deciding_row_could_want_a_kind():
   paying = stopped.replace(pays=jnp.asarray([[True], [False]]))
   assert int(policy.quiet_steps(paying, *rows, jnp.int32(-1), costs)) == 1
   assert int(policy.quiet_steps(paying, *rows, jnp.int32(0), costs)) > 10**6  # Measuring.
+  # Where evidence could restart a stopped kind, runs are short enough to notice it.
+  watching = dataclasses.replace(policy, evidence_kinds=(True,))
+  assert int(watching.quiet_steps(stopped, *rows, jnp.int32(-1), costs)) == auto.EVIDENCE_QUIET
+
+
+def test_evidence_restarts_a_stopped_kind_where_its_drafts_would_have_paid():
+  policy = auto.AutoPolicy(num_kinds=1, least_probe=(1,))
+  costs = jnp.asarray([2.0])
+  state = policy.start(costs, jnp.asarray([100, 100]))
+  # Both rows' probe fails: the kind stops for both.
+  for _ in range(int(state.probe[0, 0])):
+    state = policy.observe(state, costs, jnp.asarray([1, 1]), jnp.asarray([1, 1]),
+                           jnp.asarray([1, 1]))
+  assert not np.any(np.asarray(state.pays))
+  # One-token steps; the drafter says row 0's drafts would have made 3 tokens a step.
+  evidence = jnp.asarray([[3.0], [1.5]])
+  state = policy.observe(state, costs, jnp.asarray([0, 0]), jnp.asarray([1, 1]),
+                         jnp.asarray([1, 1]), evidence)
+  np.testing.assert_array_equal(np.asarray(state.pays)[:, 0], [True, False])
+  assert int(state.probe[0, 0]) == 1 and int(state.steps[0, 0]) == 0
+  # Unknown evidence (NaN) never restarts anything.
+  again = policy.observe(state, costs, jnp.asarray([0, 0]), jnp.asarray([1, 1]),
+                         jnp.asarray([1, 1]), jnp.full((2, 1), jnp.nan))
+  assert not bool(again.pays[1, 0])
 
 
 @pytest.mark.parametrize('break_even', [(0.0, 0.0), (50.0, 0.0), (0.0, 50.0)])
@@ -320,3 +347,18 @@ def test_resolving_auto_measures_each_kind(model, prompts, tmp_path, monkeypatch
   rows = engine.settings([settings_lib.Sampling(max_tokens=12)] * 3)
   out = engine.generate(prompts, PROMPT_LENGTHS, rows)
   np.testing.assert_array_equal(out.tokens, _reference(model, prompts, 12).tokens)
+
+
+def test_a_stopped_lookup_restarts_where_the_text_shows_its_drafts_would_pay(prompts):
+  """Lookup at a break-even of 2 cannot afford a probe in 64 tokens, and its wait for a retry
+  outlasts them: only its evidence (its chains checked against the text) restarts it."""
+  model = testing.tiny_model(0, mtp_num_heads=0)
+  ref = _reference(model, prompts, 64)
+  assert auto.probe_steps(2.0, 64, auto.ALL_OR_NOTHING_LEAST_PROBE,
+                          auto.FALLBACK_BUDGET / 2) == 0
+  assert 1 / (auto.FALLBACK_BUDGET / 2) > 64  # The wait for a retry.
+  out = decode_testing.decode(model, prompts, PROMPT_LENGTHS, decoder='auto', max_new_tokens=64,
+                              break_even=2.0)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  assert np.asarray(out.accepted_histogram)[:, 3:].sum() > 0  # Copies passed.
+  assert np.asarray(out.num_steps).sum() < np.asarray(ref.num_steps).sum()

@@ -351,16 +351,16 @@ def run(model, data, plan, state: LoopState, max_steps: Array) -> LoopState:
         return i + 1, _drafting_step(*step_args, s, None, kinds)
       return i + 1, _one_token_step(*step_args, s)
     active = s.reason == RUNNING
-    ready = jnp.stack([d.ready(state) for d, state in zip(plan.drafters, s.drafters)], axis=1)
-    rows = (s.policy, ready, active, s.settings.temperature == 0,
-            s.settings.max_tokens - s.num_generated, data.force)
+    rows = (s.policy, drafters_lib.ready_rows(plan.drafters, s.drafters), active,
+            s.settings.temperature == 0, s.settings.max_tokens - s.num_generated, data.force)
     kind, row_kind = plan.policy.choose(*rows)
     quiet = jnp.minimum(plan.policy.quiet_steps(*rows, data.costs), max_steps - i)
     branches = [functools.partial(_one_token_step, *step_args)] + [
         functools.partial(_drafting_step, *step_args, kind=k) for k in range(1, kinds + 1)]
     new, passes = _run_kind(kind, quiet, branches, s, row_kind)
     policy = plan.policy.observe(s.policy, data.costs, jnp.where(kind > 0, row_kind, 0),
-                                 new.num_generated - s.num_generated, new.num_steps - s.num_steps)
+                                 new.num_generated - s.num_generated, new.num_steps - s.num_steps,
+                                 drafters_lib.evidence_rows(plan.drafters, new.drafters))
     return i + passes, new.replace(policy=policy)
 
   _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))

@@ -516,7 +516,8 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
   policy = None
   if spec.adaptive and built:
     policy = auto.AutoPolicy(num_kinds=len(built), least_probe=tuple(
-        auto.ALL_OR_NOTHING_LEAST_PROBE if d.all_or_nothing else 1 for d in built))
+        auto.ALL_OR_NOTHING_LEAST_PROBE if d.all_or_nothing else 1 for d in built),
+        evidence_kinds=tuple(d.has_evidence for d in built))
   plan = DecodePlan(
       max_new_tokens=max_new_tokens, capacity=capacity, drafters=built, policy=policy,
       greedy_only=bool(greedy_only), vocab_limit=vocab_limit, banned_ids=tuple(banned),

@@ -15,7 +15,10 @@ A drafter is a frozen dataclass (hashable: part of the compiled decoder's identi
     one-token steps);
   * `drafts(state)`: [B, n] its nodes' tokens for the next block, in its tree's node order;
   * `ready(state)`: [B] whether its drafts look worth verifying (`auto` verifies a drafter's
-    nodes only in rows where they are; default: always).
+    nodes only in rows where they are; default: always);
+  * `evidence(state)`: [B] the tokens per step its drafts would have made where no step
+    verified them, or None (default): `auto` restarts a stopped kind where it says the kind
+    pays (prompt lookup checks its chains against the text, `drafters.shadow`).
 `start` and `update` also get the drafter's data: arrays the plan made for it (a table, a draft
 vocabulary's ids), passed to the compiled loop as arguments, so new data of the same shapes
 compiles nothing. Drafters that read the model's MTP heads set `head_depth` (and `vocab_size`,
@@ -141,6 +144,33 @@ class Drafter:
     """[B] bool: rows whose drafts look worth verifying."""
     return jnp.ones(self.drafts(state).shape[:1], bool)
 
+  @property
+  def has_evidence(self) -> bool:
+    """Whether it judges its own drafts in steps that do not verify them (`evidence`)."""
+    return False
+
+  def evidence(self, state: Any) -> Array | None:
+    """[B] float: tokens per step its drafts would have made in recent steps that did not
+    verify them, judged from the text the rows emitted (`drafters.shadow`; NaN: not known
+    yet), or None where it cannot tell (`has_evidence` False: its drafts are not renewed in
+    every step)."""
+    return None
+
   def row_trees(self, state: Any) -> dynamic_trees.RowTrees:
     """Every row's tree for the next block (dynamic drafters only)."""
     raise NotImplementedError
+
+
+def ready_rows(drafters: tuple[Drafter, ...], states: tuple[Any, ...]) -> Array:
+  """[B, K] whether drafter k's drafts look worth verifying in each row."""
+  return jnp.stack([d.ready(state) for d, state in zip(drafters, states)], axis=1)
+
+
+def evidence_rows(drafters: tuple[Drafter, ...], states: tuple[Any, ...]) -> Array:
+  """[B, K] drafter k's `evidence` in each row (NaN where it has none)."""
+  columns = []
+  for d, state in zip(drafters, states):
+    e = d.evidence(state)
+    b = d.drafts(state).shape[0]
+    columns.append(jnp.full((b,), jnp.nan, jnp.float32) if e is None else e.astype(jnp.float32))
+  return jnp.stack(columns, axis=1)

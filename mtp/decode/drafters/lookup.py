@@ -11,7 +11,9 @@ speedup transformers' prompt lookup gives such a model, without training anythin
 
 The drafter keeps every row's tokens by position (prompt included) and renews its copy after
 every step, one-token steps included. Its drafts are `ready` where the key that matched is at
-least `min_key` tokens long: longer matches are accepted far more often.
+least `min_key` tokens long: longer matches are accepted far more often. Since its drafts are
+renewed every step, it checks them against the text in steps that do not verify them
+(`drafters.shadow`): `auto` restarts a stopped lookup as soon as they would have paid.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 
 from mtp.decode import drafters
 from mtp.decode import trees as trees_lib
+from mtp.decode.drafters import shadow as shadow_lib
 from mtp.model import kv_cache as kv_cache_lib
 
 Array = jax.Array
@@ -40,10 +43,12 @@ MAX_LENGTH = 64
 @flax.struct.dataclass
 class State:
   """context: [B, C] every row's tokens by position (later columns stale); drafts: [B, L];
-  key_length: [B] the length of the key the drafts matched (0: none)."""
+  key_length: [B] the length of the key the drafts matched (0: none); shadow: the drafts
+  checked against the text (`evidence`)."""
   context: Array
   drafts: Array
   key_length: Array
+  shadow: shadow_lib.Shadow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +67,9 @@ class LookupDrafter(drafters.Drafter):
   def all_or_nothing(self) -> bool:
     return True
 
-  def _propose(self, context: Array, newest: Array) -> State:
-    drafts, key = propose_with_key(context, newest, self.length)
-    return State(context=context, drafts=drafts, key_length=key)
+  @property
+  def has_evidence(self) -> bool:
+    return True
 
   def start(self, prefilled: drafters.Prefilled, data) -> State:
     b, p = prefilled.prompts.shape
@@ -73,17 +78,25 @@ class LookupDrafter(drafters.Drafter):
     context = jnp.zeros((b, max(self.capacity, p) + 2 * MAX_LENGTH), jnp.int32)
     context = context.at[:, :p].set(prefilled.prompts.astype(jnp.int32))
     context = kv_cache_lib.write_rows(context, prefilled.first_token[:, None], prefilled.lengths)
-    return self._propose(context, prefilled.lengths)
+    drafts, key = propose_with_key(context, prefilled.lengths, self.length)
+    return State(context=context, drafts=drafts, key_length=key,
+                 shadow=shadow_lib.start(drafts, key >= self.min_key))
 
   def update(self, state: State, accepted: drafters.Accepted, data) -> State:
     context = kv_cache_lib.write_rows(state.context, accepted.emitted, accepted.lengths + 1)
-    return self._propose(context, accepted.newest)
+    drafts, key = propose_with_key(context, accepted.newest, self.length)
+    shadow = shadow_lib.update(state.shadow, accepted.emitted, accepted.num_emitted, drafts,
+                               key >= self.min_key)
+    return State(context=context, drafts=drafts, key_length=key, shadow=shadow)
 
   def drafts(self, state: State) -> Array:
     return state.drafts
 
   def ready(self, state: State) -> Array:
     return state.key_length >= self.min_key
+
+  def evidence(self, state: State) -> Array:
+    return shadow_lib.evidence(state.shadow)
 
 
 def propose(context: Array, end: Array, length: int, max_ngram: int = 3) -> Array:
