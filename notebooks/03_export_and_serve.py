@@ -144,8 +144,7 @@ import httpx2 as httpx
 
 LOG = FIGURES / 'server.log'  # A file, not a pipe: a full pipe would stall the server.
 server = subprocess.Popen(
-    [sys.executable, '-m', 'launch.serve', f'--workdir={SOURCE}', '--port=0',
-     f'--warmup_max_tokens={NEW_TOKENS}'],
+    [sys.executable, '-m', 'launch.serve', f'--workdir={SOURCE}', '--port=0'],
     stdout=LOG.open('w'), stderr=subprocess.STDOUT, cwd=ROOT)
 atexit.register(server.terminate)
 URL, deadline = None, time.monotonic() + 300

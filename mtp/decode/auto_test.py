@@ -329,6 +329,22 @@ def test_break_even_is_measured_once_then_read_from_the_cache(model, prompts, tm
   assert len(calls) == 34
 
 
+def test_steps_cheaper_than_a_calls_noise_are_timed_with_it(model, prompts, tmp_path,
+                                                            monkeypatch):
+  """Where a run's steps cost less than the variation of a call's overhead (a tiny model),
+  taking the overhead off leaves nothing: the ratio of whole runs is read instead."""
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0):
+    return max((0.0003 if kind else 0.0001) * steps + 0.010 - overhead, 0.0) / steps
+
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', per_step)
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_call', lambda self, p, l: 0.020)
+  engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)
+  ratio = auto.break_even(engine, prompts, PROMPT_LENGTHS, 1, steps=4, repeats=2)
+  assert ratio == pytest.approx((0.0012 + 0.010) / (0.0004 + 0.010))
+
+
 def test_the_real_measurement_is_a_positive_ratio(model, prompts, tmp_path, monkeypatch):
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)

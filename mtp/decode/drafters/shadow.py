@@ -37,8 +37,13 @@ class Shadow:
 def start(drafts: Array, ready: Array) -> Shadow:
   """Checks `drafts` [B, L] in `ready` [B] rows from now on."""
   b = drafts.shape[0]
-  return Shadow(drafts=drafts.astype(jnp.int32), matched=jnp.where(ready, 0, -1),
+  return Shadow(drafts=drafts.astype(jnp.int32), matched=_fresh(ready),
                 mean=jnp.full((b,), jnp.nan, jnp.float32))
+
+
+def _fresh(ready: Array) -> Array:
+  # int32, not weakly typed: the loop's carry keeps one type, or a step would compile twice.
+  return jnp.where(ready, 0, -1).astype(jnp.int32)
 
 
 def update(shadow: Shadow, emitted: Array, num_emitted: Array, drafts: Array,
@@ -63,8 +68,8 @@ def update(shadow: Shadow, emitted: Array, num_emitted: Array, drafts: Array,
   mean = jnp.where(finished, mean, shadow.mean)
   fresh = ~checking | finished
   return Shadow(drafts=jnp.where(fresh[:, None], drafts.astype(jnp.int32), shadow.drafts),
-                matched=jnp.where(fresh, jnp.where(ready, 0, -1), matched),
-                mean=mean)
+                matched=jnp.where(fresh, _fresh(ready), matched).astype(jnp.int32),
+                mean=mean.astype(jnp.float32))
 
 
 def evidence(shadow: Shadow) -> Array:
