@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m launch.demo --workdir=$(WORKDIR)
 
 # XLA:CPU (jaxlib 0.10.2) now and then segfaults or aborts a worker while it compiles or loads a
-# program from the persistent compilation cache (about 2 of ~600 tests a run, never the same
+# program from the persistent compilation cache (about 2 of ~900 tests a run, never the same
 # ones); a crashed test runs once more on a fresh worker. Only crashes: `--only-rerun` matches
 # no failure a test reports.
 test: $(VENV)/.installed
