@@ -60,7 +60,7 @@ EVIDENCE_QUIET = 8
 _TABLE = 'break_even.json'
 # Bumped when the decode loop's steps change cost or the way they are timed, so that older
 # measurements are not reused.
-_LOOP_VERSION = 10
+_LOOP_VERSION = 11
 
 
 @flax.struct.dataclass
@@ -220,7 +220,7 @@ def _cache_key(engine, batch_size: int, prompt_width: int, kind: int) -> str:
           f'|B{batch_size}|P{prompt_width}|kind{kind}-{measurements.digest(repr(block))}'
           f'|{"rows" if plan.row_mapped else "batch"}|mesh'
           f'{plan.mesh.shape if plan.mesh is not None else None}'
-          f'|V{plan.draft_vocab_size}|M{plan.max_new_tokens}')
+          f'|V{plan.draft_vocab_size}|M{plan.max_new_tokens}|C{plan.capacity}')
 
 
 def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, steps: int = 64,

@@ -12,6 +12,12 @@ proportion to the context, not to the cache's capacity, and a row's result does 
 the capacity at all (chunks past its length change nothing, bit for bit), so decoders whose
 caches differ in size (an offline call sized for its own tokens, a server's batch sized for
 its longest request) compute the same tokens. Capacities are multiples of `CHUNK`.
+
+A row-mapped call (`decode/row_mapped.py`: one row at a time, as a batch of one) sees each
+buffer as a `RowView`: the whole batch's buffer and the row it may touch. `write_rows` and
+`attend` read and write that row in place; slicing the row out and stacking it back instead
+copied the whole cache twice per call (a batch of 8 rows of the demo model with 2048 slots:
+49 ms a one-token step, against 2.2 ms for the same step batched).
 """
 
 from __future__ import annotations
@@ -45,6 +51,55 @@ class KVCache:
     return self.keys[0].shape[0]
 
 
+@flax.struct.dataclass
+class RowView:
+  """Row `row` of a cache buffer [B, S, ...], as a [1, S, ...] buffer that is not copied out.
+
+  Attributes:
+    buffer: the whole batch's buffer.
+    row: int32 scalar, the row this call reads and writes.
+  """
+  buffer: jax.Array
+  row: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return (1,) + tuple(self.buffer.shape[1:])
+
+  @property
+  def dtype(self):
+    return self.buffer.dtype
+
+  def read(self, start, size: int) -> jax.Array:
+    """Slots [start, start + size) of the row: [1, size, ...]."""
+    rest = self.buffer.shape[2:]
+    return jax.lax.dynamic_slice(self.buffer, (self.row, start) + (0,) * len(rest),
+                                 (1, size) + tuple(rest))
+
+  def astype(self, dtype) -> jax.Array:
+    """The row's whole buffer (a copy) in `dtype`: for attention over an explicit mask."""
+    return self.read(0, self.buffer.shape[1]).astype(dtype)
+
+
+def row_views(cache: KVCache, row) -> KVCache:
+  """`cache`'s buffers as `RowView`s of `row`."""
+  row = jnp.asarray(row, jnp.int32)
+  return KVCache(keys=tuple(RowView(k, row) for k in cache.keys),
+                 values=tuple(RowView(v, row) for v in cache.values))
+
+
+def buffers(cache: KVCache) -> KVCache:
+  """The whole buffers behind `row_views` (as written since)."""
+  return KVCache(keys=tuple(k.buffer for k in cache.keys),
+                 values=tuple(v.buffer for v in cache.values))
+
+
+def _read(buffer, start, size: int) -> jax.Array:
+  if isinstance(buffer, RowView):
+    return buffer.read(start, size)
+  return jax.lax.dynamic_slice_in_dim(buffer, start, size, axis=1)
+
+
 # Slots `attend` reads at a time. 128 ran as fast as attention over the whole cache at full
 # occupancy on 2 CPU cores, and faster wherever the cache is partly empty.
 CHUNK = 128
@@ -65,7 +120,13 @@ def init_cache(num_layers: int, batch_size: int, capacity: int, num_kv_heads: in
 
 
 def write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
-  """Writes block [B, T, ...] into buffer [B, S, ...] at slot offsets[b] of each row b."""
+  """Writes block [B, T, ...] into buffer [B, S, ...] at slot offsets[b] of each row b (a
+  `RowView`: block [1, T, ...] into its row, in place)."""
+  if isinstance(buffer, RowView):
+    start = (buffer.row, offsets[0]) + (0,) * (buffer.buffer.ndim - 2)
+    return buffer.replace(buffer=jax.lax.dynamic_update_slice(
+        buffer.buffer, block.astype(buffer.dtype), start))
+
   def write_one(row, new, offset):
     start = (offset,) + (0,) * (row.ndim - 1)
     return jax.lax.dynamic_update_slice(row, new.astype(row.dtype), start)
@@ -105,7 +166,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
   Args:
     q: [B, T, H, d] queries of the new tokens (rotary positions applied).
     keys, values: [B, S, G, d] the layer's cache with the new tokens' entries already written
-      at slots [lengths, lengths + T); S a multiple of `CHUNK`; G divides H.
+      at slots [lengths, lengths + T); S a multiple of `CHUNK`; G divides H (or `RowView`s).
     lengths: [B] committed slots per row: all of them are visible.
     block_mask: [T, T] or [B, T, T]: which new tokens each new token sees (itself included).
 
@@ -123,8 +184,8 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
   def chunk(i, carry):
     top, total, acc = carry  # [B, G, R, T], [B, G, R, T], [B, G, R, T, d]
     start = i * CHUNK
-    k = jax.lax.dynamic_slice_in_dim(keys, start, CHUNK, axis=1).astype(jnp.float32)
-    v = jax.lax.dynamic_slice_in_dim(values, start, CHUNK, axis=1).astype(jnp.float32)
+    k = _read(keys, start, CHUNK).astype(jnp.float32)
+    v = _read(values, start, CHUNK).astype(jnp.float32)
     relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
     in_block = jnp.take_along_axis(
         block_mask, jnp.broadcast_to(jnp.clip(relative, 0, t - 1)[:, None, :], (b, t, CHUNK)),
