@@ -55,6 +55,8 @@ flags.DEFINE_integer('mixed_max_tokens', 128, 'Mixed clients\' max_tokens: at mo
 flags.DEFINE_integer('max_batch', 8, 'The server\'s --max_batch.')
 flags.DEFINE_float('max_wait_ms', 5.0, 'The server\'s --max_wait_ms.')
 flags.DEFINE_bool('exact', True, 'The server\'s --exact (row-mapped batches).')
+flags.DEFINE_integer('steps_per_chunk', None, 'The server\'s --steps_per_chunk (None: each '
+                     'decoder\'s own).')
 flags.DEFINE_string('output', 'results/serve_load.json', 'JSON results.')
 flags.DEFINE_string('plot', 'results/serve_load.png', 'Plot.')
 
@@ -103,7 +105,8 @@ def compilations(url: str) -> int:
   """The server's `mtp_compilations_total`: decoder programs compiled since it started."""
   import httpx2 as httpx
   text = httpx.get(url + '/metrics', timeout=60).text
-  return int(re.search(r'^mtp_compilations_total (\d+)$', text, re.MULTILINE).group(1))
+  found = re.search(r'^mtp_compilations_total ([\d.]+)$', text, re.MULTILINE)
+  return int(float(found.group(1)))
 
 
 def run_level(url: str, prompts: list[str], decoder: str, clients: int, kind: str,
@@ -170,7 +173,8 @@ def measure() -> dict:
   decoders = list(dict.fromkeys(FLAGS.decoders + ['autoregressive']))
   with server.running(loaded, decoders=decoders, max_batch=FLAGS.max_batch,
                       max_wait_ms=FLAGS.max_wait_ms, max_queue=max(levels) * 4,
-                      exact=FLAGS.exact) as (url, batcher):
+                      exact=FLAGS.exact, steps_per_chunk=FLAGS.steps_per_chunk
+                      ) as (url, batcher):
     start = time.perf_counter()
     batcher.warm.wait()
     if batcher.startup_error is not None:
@@ -213,6 +217,7 @@ def measure() -> dict:
                          top_p=[float(p) for p in FLAGS.mixed_top_p],
                          max_tokens=[FLAGS.mixed_min_tokens, FLAGS.mixed_max_tokens]),
               max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms, exact=FLAGS.exact,
+              steps_per_chunk=FLAGS.steps_per_chunk,
               prompt_tokens=[min(lengths), max(lengths)], warm_seconds=warm_seconds,
               compilations_after_warmup=warm, compilations_at_end=end, rows=rows)
 

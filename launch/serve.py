@@ -44,9 +44,15 @@ flags.DEFINE_bool('exact', True, 'Row-mapped batches: every greedy request gets 
                   'batch-of-one tokens (launch.generate\'s). --noexact shares matmuls across '
                   'rows: faster on big models, exact only up to float ties.')
 flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps between host round trips for '
-                     'non-streamed batches (streamed ones take one step per chunk).')
+                     'non-streamed batches (default 16; streamed ones take one step per chunk).')
 flags.DEFINE_integer('max_logprobs', 20, 'Alternatives per token a request may ask for '
                      '(logprobs, top_logprobs); -1 turns log-probabilities off.')
+flags.DEFINE_integer('max_request_bytes', 1 << 20, 'The largest request body; a larger one gets '
+                     '413 before the rest is read.')
+flags.DEFINE_float('request_timeout_s', 30.0, 'Seconds a request (headers and body) may take to '
+                   'arrive; slower clients are dropped (408). Answers may take longer.')
+flags.DEFINE_integer('max_connections', 512, 'Concurrent connections at most; past it requests '
+                     'get 503.')
 flags.mark_flag_as_required('workdir')
 
 
@@ -55,6 +61,9 @@ def main(argv):
   with cli.UserErrors(PROGRAM):
     if FLAGS.max_batch < 1 or FLAGS.max_queue < 1 or FLAGS.max_wait_ms < 0:
       raise ValueError('--max_batch and --max_queue must be >= 1, --max_wait_ms >= 0')
+    from mtp.serving import limits  # pylint: disable=import-outside-toplevel
+    limits.check(request_timeout_s=FLAGS.request_timeout_s, max_connections=FLAGS.max_connections,
+                 max_request_bytes=FLAGS.max_request_bytes)
     served = [FLAGS.decoder] + [d for d in (FLAGS.decoders or decoders.NAMES)
                                 if d != FLAGS.decoder]
     for name in served:
@@ -73,13 +82,16 @@ def main(argv):
         loaded, decoders=served, max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms,
         max_queue=FLAGS.max_queue, exact=FLAGS.exact, steps_per_chunk=FLAGS.steps_per_chunk,
         model_name=FLAGS.model_name, default_max_tokens=FLAGS.default_max_tokens, tree=tree,
-        tree_budget=FLAGS.tree_budget, max_logprobs=FLAGS.max_logprobs)
+        tree_budget=FLAGS.tree_budget, max_logprobs=FLAGS.max_logprobs,
+        max_request_bytes=FLAGS.max_request_bytes)
     sock = server.free_socket(FLAGS.host, FLAGS.port)
   # The bound port, which --port=0 leaves to the system: scripts read this line.
   print(f'{PROGRAM}: serving {FLAGS.workdir} as {FLAGS.model_name!r} on '
         f'http://{FLAGS.host}:{sock.getsockname()[1]}', flush=True)
   try:
-    uvicorn.Server(uvicorn.Config(application, log_level='warning')).run(sockets=[sock])
+    uvicorn.Server(limits.uvicorn_config(
+        application, request_timeout_s=FLAGS.request_timeout_s,
+        max_connections=FLAGS.max_connections, log_level='warning')).run(sockets=[sock])
   finally:
     batcher.close()
 

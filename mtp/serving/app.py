@@ -1,7 +1,10 @@
 """The HTTP routes: OpenAI's completions, chat completions and models, plus health and metrics.
 
-Handlers only check, tokenize and wait: decoding happens on the batcher's thread, whose events
-come back through an asyncio queue, so the event loop never blocks on the model.
+Handlers only check, tokenize and wait: reading JSON, rendering chat and tokenizing run on a
+worker thread (a 10 MB prompt tokenized on the event loop stalled `/health` for 6 s), decoding
+on the batcher's thread, whose events come back through an asyncio queue, so the event loop
+never blocks on the model. Bodies are bounded (`limits.BodyLimit`); metrics label requests by
+route, never by raw path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from starlette import exceptions as starlette_exceptions
 
 from mtp.serving import batcher as batcher_lib
 from mtp.serving import chat as chat_lib
+from mtp.serving import limits
 from mtp.serving import metrics as metrics_lib
 from mtp.serving import schemas
 
@@ -29,7 +33,8 @@ _NON_STREAM_POLL_S = 0.5  # How often a waiting non-streamed request checks its 
 
 def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
                default_max_tokens: int = 16, default_decoder: str | None = None,
-               metrics: metrics_lib.Metrics | None = None) -> fastapi.FastAPI:
+               metrics: metrics_lib.Metrics | None = None,
+               max_request_bytes: int = limits.MAX_REQUEST_BYTES) -> fastapi.FastAPI:
   """The server's app around a started (or starting) `Batcher`."""
   metrics = metrics or batcher.metrics or metrics_lib.Metrics()
   metrics.gauges.update(queue_depth=lambda: batcher.queue_depth,
@@ -50,11 +55,16 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
   @app.exception_handler(starlette_exceptions.HTTPException)
   async def http_error(request: fastapi.Request, exc):
     kind = 'not_found_error' if exc.status_code == 404 else 'invalid_request_error'
-    return error(exc.status_code, str(exc.detail), kind, request.url.path)
+    return error(exc.status_code, str(exc.detail), kind, _endpoint(request.scope))
 
   @app.exception_handler(Exception)
   async def server_error(request: fastapi.Request, exc: Exception):
-    return error(500, f'internal error: {exc}', 'server_error', request.url.path)
+    return error(500, f'internal error: {exc}', 'server_error', _endpoint(request.scope))
+
+  limits.check(max_request_bytes=max_request_bytes)
+  routes = {'/v1/completions', '/v1/chat/completions'}
+  app.add_middleware(limits.BodyLimit, max_bytes=max_request_bytes, on_reject=lambda scope, s: (
+      metrics.request(scope['path'] if scope['path'] in routes else metrics_lib.UNMATCHED, s)))
 
   @app.get('/health')
   async def health():
@@ -88,20 +98,25 @@ def create_app(batcher: batcher_lib.Batcher, *, model_name: str = 'mtp',
   app.mount('/static', staticfiles.StaticFiles(directory=STATIC_DIR, check_dir=False),
             name='static')
 
+  def read(raw: bytes, chat: bool):
+    """(options, prompt text, ids) of a request body, checked: on a worker thread."""
+    body = schemas.parse_json(raw)
+    options = schemas.options(body, default_max_tokens=default_max_tokens, decoders=decoders,
+                              default_decoder=default_decoder, chat=chat,
+                              max_n=batcher.max_batch)
+    if chat:
+      text = chat_lib.render(tokenizer, schemas.messages(body))
+      ids = chat_lib.encode(tokenizer, text)
+    else:
+      text = schemas.prompt(body)
+      ids = tokenizer.encode(text)
+    batcher.check(ids, options)
+    return options, text, ids
+
   async def generate(request: fastapi.Request, chat: bool):
     endpoint = request.url.path
     try:
-      body = schemas.parse_json(await request.body())
-      options = schemas.options(body, default_max_tokens=default_max_tokens,
-                                decoders=decoders, default_decoder=default_decoder, chat=chat,
-                                max_n=batcher.max_batch)
-      if chat:
-        text = chat_lib.render(tokenizer, schemas.messages(body))
-        ids = chat_lib.encode(tokenizer, text)
-      else:
-        text = schemas.prompt(body)
-        ids = tokenizer.encode(text)
-      batcher.check(ids, options)
+      options, text, ids = await asyncio.to_thread(read, await request.body(), chat)
     except schemas.RequestError as e:
       return error(e.status, e.message, e.kind, endpoint, e.param, e.code)
     loop = asyncio.get_running_loop()
@@ -227,3 +242,10 @@ async def _sse(jobs: list[batcher_lib.Job], events: asyncio.Queue, rid: str, mod
   finally:
     for job in jobs:
       job.cancelled.set()  # A no-op once a job has finished; frees its row otherwise.
+
+
+def _endpoint(scope) -> str:
+  """The metrics label of a request: its route's template, or UNMATCHED (bounded: raw paths
+  would let any client add series)."""
+  route = scope.get('route')
+  return getattr(route, 'path', None) or metrics_lib.UNMATCHED

@@ -12,6 +12,7 @@ import time
 import httpx2 as httpx
 import numpy as np
 import openai
+from prometheus_client import parser as prometheus_parser
 import pytest
 
 import mtp
@@ -219,7 +220,7 @@ def test_a_client_leaving_mid_stream_frees_its_row(served):
   finally:
     batcher.fault = None
   metrics = httpx.get(url + '/metrics').text
-  assert 'mtp_cancelled_total 1' in metrics
+  assert 'mtp_cancelled_total 1.0\n' in metrics
 
 
 def test_metrics_are_prometheus_text(served):
@@ -228,13 +229,15 @@ def test_metrics_are_prometheus_text(served):
                   timeout=60)
   assert ok.status_code == 200
   text = httpx.get(served[0] + '/metrics').text
-  for name in ('mtp_requests_total{endpoint="/v1/completions",code="200"}',
-               'mtp_request_errors_total', 'mtp_queue_depth', 'mtp_completion_tokens_total',
-               'mtp_tokens_per_step', 'mtp_request_latency_seconds_bucket{le="+Inf"}',
-               'mtp_time_to_first_token_seconds_count', 'mtp_compilations_total'):
-    assert name in text
-  for line in text.splitlines():
-    assert line.startswith('#') or len(line.split()) == 2, line
+  samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for family in prometheus_parser.text_string_to_metric_families(text)
+             for s in family.samples}
+  assert samples[('mtp_requests_total', (('code', '200'), ('endpoint', '/v1/completions')))] >= 1
+  assert samples[('mtp_request_latency_seconds_bucket', (('le', '+Inf'),))] >= 1
+  for name in ('mtp_request_errors_total', 'mtp_queue_depth', 'mtp_completion_tokens_total',
+               'mtp_tokens_per_step', 'mtp_time_to_first_token_seconds_count',
+               'mtp_compilations_total'):
+    assert (name, ()) in samples, name
 
 
 def test_a_request_joins_a_running_batch(served, client):

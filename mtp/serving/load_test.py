@@ -55,7 +55,7 @@ def test_32_concurrent_clients_hundreds_of_requests_all_exact(served):
   assert len(results) == REQUESTS and not wrong
   import httpx2 as httpx
   metrics = httpx.get(url + '/metrics').text
-  assert 'mtp_request_errors_total 0' in metrics
-  batches = int(next(l.split()[1] for l in metrics.splitlines()
-                     if l.startswith('mtp_batches_total')))
+  assert 'mtp_request_errors_total 0.0\n' in metrics
+  batches = float(next(l.split()[1] for l in metrics.splitlines()
+                       if l.startswith('mtp_batches_total')))
   assert batches < REQUESTS  # Requests did share batches.

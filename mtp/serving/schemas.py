@@ -147,6 +147,7 @@ def options(body: dict, *, default_max_tokens: int, decoders: tuple[str, ...],
   if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):
     raise RequestError(f'stop takes at most {MAX_STOP_SEQUENCES} non-empty strings',
                        param='stop')
+  stop = tuple(_text(s, 'stop') for s in stop)
   if chat:
     wants = body.get('logprobs', False)
     if wants is not None and not isinstance(wants, bool):

@@ -11,6 +11,7 @@ import uvicorn
 
 from mtp.serving import app as app_lib
 from mtp.serving import batcher as batcher_lib
+from mtp.serving import limits
 from mtp.serving import metrics as metrics_lib
 from mtp.serving import schemas
 
@@ -18,12 +19,14 @@ from mtp.serving import schemas
 def build(loaded, *, decoders=None, max_batch: int = 8, max_wait_ms: float = 10.0,
           max_queue: int = 256, exact: bool = True, steps_per_chunk: int | None = None,
           model_name: str = 'mtp', default_max_tokens: int = 16, tree=None,
-          tree_budget: int | None = None, max_logprobs: int = schemas.MAX_LOGPROBS):
+          tree_budget: int | None = None, max_logprobs: int = schemas.MAX_LOGPROBS,
+          max_request_bytes: int = limits.MAX_REQUEST_BYTES):
   """(app, batcher) with the batcher's thread started (its lanes compile there, in the
   background; /health says when they are warm).
 
-  decoders: the decoders served, the first the default (None: `served_decoders`); the other
-  options are the `Batcher`'s."""
+  decoders: the decoders served, the first the default (None: `served_decoders`);
+  max_request_bytes: the largest request body (413 past it); the other options are the
+  `Batcher`'s."""
   from mtp.decode import engine  # pylint: disable=import-outside-toplevel  # JAX.
   metrics = metrics_lib.Metrics()
   metrics.external['compilations'] = ('Decoder programs compiled since start (flat after '
@@ -34,7 +37,8 @@ def build(loaded, *, decoders=None, max_batch: int = 8, max_wait_ms: float = 10.
                                 steps_per_chunk=steps_per_chunk, metrics=metrics, tree=tree,
                                 tree_budget=tree_budget, max_logprobs=max_logprobs)
   app = app_lib.create_app(batcher, model_name=model_name,
-                           default_max_tokens=default_max_tokens, metrics=metrics)
+                           default_max_tokens=default_max_tokens, metrics=metrics,
+                           max_request_bytes=max_request_bytes)
   batcher.start()
   return app, batcher
 
@@ -53,11 +57,18 @@ def free_socket(host: str = '127.0.0.1', port: int = 0) -> socket.socket:
 
 
 @contextlib.contextmanager
-def running(loaded, host: str = '127.0.0.1', **options):
-  """Serves on a free localhost port from a thread; yields (base_url, batcher)."""
+def running(loaded, host: str = '127.0.0.1', request_timeout_s: float = limits.REQUEST_TIMEOUT_S,
+            max_connections: int = limits.MAX_CONNECTIONS, **options):
+  """Serves on a free localhost port from a thread; yields (base_url, batcher).
+
+  request_timeout_s, max_connections: `limits.uvicorn_config`'s; the other options `build`'s.
+  """
+  limits.check(request_timeout_s=request_timeout_s, max_connections=max_connections)
   app, batcher = build(loaded, **options)
   sock = free_socket(host)
-  config = uvicorn.Config(app, log_level='warning', timeout_graceful_shutdown=2)
+  config = limits.uvicorn_config(app, request_timeout_s=request_timeout_s,
+                                 max_connections=max_connections, log_level='warning',
+                                 timeout_graceful_shutdown=2)
   server = uvicorn.Server(config)
   thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
   thread.start()
