@@ -73,6 +73,17 @@ def test_bad_flag_is_one_line_and_exit_code_2(workdir):
   assert run.stderr.strip().startswith('launch.serve:')
 
 
+@pytest.mark.parametrize('flag', ['--max_request_bytes=0', '--request_timeout_s=0',
+                                  '--max_connections=0'])
+def test_a_bad_limit_is_named_in_one_line_before_loading(workdir, flag):
+  run = subprocess.run([sys.executable, '-m', 'launch.serve', f'--workdir={workdir}', flag],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+  assert run.returncode == 1
+  line = run.stderr.strip().splitlines()[-1]
+  assert line.startswith('launch.serve:') and flag.split('=')[0] in line
+  assert 'Traceback' not in run.stderr
+
+
 def test_a_jax_export_artifact_is_refused_by_name(workdir, tmp_path):
   from mtp.export import writer
   artifact = tmp_path / 'artifact'
