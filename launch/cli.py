@@ -37,8 +37,8 @@ class UserErrors:
   """`with UserErrors('launch.generate'):` turns the errors a user can fix (bad input, a
   missing or corrupt file) into `fail(program, error)`; anything else is a bug and keeps its
   traceback."""
-  # CheckpointError and WorkdirLockedError are matched by name: this module imports nothing of
-  # mtp, so that the launchers parse their flags before JAX starts.
+  # CheckpointError and WorkdirLockedError (and their subclasses) are matched by name: this
+  # module imports nothing of mtp, so that the launchers parse their flags before JAX starts.
   _CAUGHT = (ValueError, OSError, OverflowError, KeyError)
   _CAUGHT_NAMES = ('CheckpointError', 'WorkdirLockedError')
 
@@ -49,8 +49,8 @@ class UserErrors:
     return self
 
   def __exit__(self, kind, error, tb):
-    if error is not None and (isinstance(error, self._CAUGHT)
-                              or type(error).__name__ in self._CAUGHT_NAMES):
+    if error is not None and (isinstance(error, self._CAUGHT) or any(
+        kind.__name__ in self._CAUGHT_NAMES for kind in type(error).__mro__)):
       fail(self.program, error)
     return False
 

@@ -7,7 +7,9 @@ Training resumes a workdir only in the layout it was saved in (`model.scan_layer
 writes a new workdir, the latest checkpoint's parameters and optimizer state converted and the
 data position kept, which `launch.train --workdir=OUTPUT --config.model.scan_layers=...`
 resumes. Loading, generation, export and `init_from` need no conversion: they read either.
-Failures print one line and exit with 1 (2 for bad flags): launch/cli.py.
+OUTPUT is locked (`OUTPUT.lock`, as training locks its workdir) while it is written: a second
+conversion to it is refused. Failures print one line and exit with 1 (2 for bad flags):
+launch/cli.py.
 """
 
 import sys

@@ -20,6 +20,12 @@ def workdir(tiny_workdir):
   return tiny_workdir
 
 
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def _run(argv):
   FLAGS.unparse_flags()
   FLAGS(['export'] + argv)
@@ -45,6 +51,11 @@ def test_params_and_jax_export(workdir, tmp_path, capsys):
   assert speculative['tree'] == [[0], [1], [0, 0]]
   assert re.match(r'launch.export: jax_export \(float32\) of step 2 in .*artifact: [\d.]+ MB',
                   captured.err.splitlines()[-1])
+  ordinary = 0o666 & ~_umask()  # Weights (params.safetensors) as every other file.
+  modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+           for p in sorted(tmp_path.rglob('*')) if p.is_file()}
+  assert 'artifact/params.safetensors' in modes
+  assert set(modes.values()) == {oct(ordinary)}, modes
 
 
 @pytest.mark.parametrize('argv,message', [
@@ -89,3 +100,16 @@ def test_the_command_line_fails_with_one_line(tmp_path):
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert run.returncode == 2 and run.stderr.strip().splitlines() == [
       'launch.export: flag --output=None: Flag --output must have a value other than None.']
+
+
+@flagsaver.flagsaver
+def test_an_output_under_a_file_is_named_in_one_line(workdir, tmp_path, monkeypatch):
+  monkeypatch.delenv('MTP_TRACEBACK', raising=False)
+  (tmp_path / 'somefile').write_text('keep me')
+  with pytest.raises(SystemExit) as exit_info:
+    _run([f'--workdir={workdir}', '--format=params', f'--output={tmp_path}/somefile/out'])
+  message = exit_info.value.code
+  assert message == (f'launch.export: cannot create output {tmp_path}/somefile/out: '
+                     f'{tmp_path}/somefile is a file, not a directory'), message
+  assert (tmp_path / 'somefile').read_text() == 'keep me'
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['somefile']

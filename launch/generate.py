@@ -5,7 +5,8 @@ r"""Completes prompts with a trained model, writing one JSON object per prompt.
   python -m launch.generate --workdir=DIR --prompt_file=prompts.jsonl --batch_size=8 \
       --output=out.jsonl [--temperature=0.7 --top_p=0.9 --seed=1] [--tree=auto]
 
-A prompt file holds one {"prompt": "..."} per line (blank lines are skipped). Each output line
+A prompt file holds one {"prompt": "..."} per line (UTF-8, a byte order mark and CRLF line ends
+accepted; blank lines are skipped). Each output line
 has `prompt`, `completion`, `tokens`, `num_steps` (forward passes of the decode loop),
 `mean_accepted` (tokens per step), `accepted_histogram`, `tokens_per_sec` (excluding
 compilation), `seconds`, `num_prompt_tokens` and `finish_reason`; without --output they go to
@@ -20,6 +21,7 @@ completion whole when it is done (the loop is one call).
 from __future__ import annotations
 
 import atexit
+import codecs
 import json
 import os
 import pathlib
@@ -40,7 +42,8 @@ PROGRAM = 'launch.generate'
 flags.DEFINE_string('workdir', None, 'Trained workdir (checkpoints, config, tokenizer), or an '
                     'export directory of launch.export (params or jax_export).')
 flags.DEFINE_string('prompt', None, 'One prompt.')
-flags.DEFINE_string('prompt_file', None, 'JSONL file, one {"prompt": "..."} per line.')
+flags.DEFINE_string('prompt_file', None, 'JSONL file, one {"prompt": "..."} per line (UTF-8, '
+                    'with or without a BOM; LF or CRLF line ends).')
 flags.DEFINE_integer('max_new_tokens', 128, 'Tokens to generate per prompt at most.')
 flags.DEFINE_enum('decoder', decoders.DEFAULT, list(decoders.NAMES), 'Decoder: ' + '; '.join(
     f'{d.name}: {d.summary}' for d in decoders.DECODERS.values()) + '.')
@@ -78,10 +81,17 @@ flags.mark_flag_as_required('workdir')
 
 
 def read_prompt_file(path: str | pathlib.Path) -> list[str]:
-  """Prompts from a JSONL file of {"prompt": "..."} objects; errors name the line."""
+  """Prompts from a JSONL file of {"prompt": "..."} objects; errors name the line.
+
+  A UTF-8 byte order mark (Windows editors write one) starts the file, not its first prompt;
+  a CRLF line end is whitespace after the object, like LF (a prompt's own carriage returns
+  are JSON escapes, kept).
+  """
   prompts = []
   with open(path, 'rb') as f:
     for number, raw in enumerate(f, 1):
+      if number == 1:
+        raw = raw.removeprefix(codecs.BOM_UTF8)
       try:
         line = raw.decode('utf-8')
       except UnicodeDecodeError as e:

@@ -59,6 +59,21 @@ def test_stream_prints_the_completion(workdir, tmp_path, capsys):
   assert printed == f'=== prompt 0 ===\ndef f(x):{record["completion"]}\n'
 
 
+@flagsaver.flagsaver
+def test_stream_labels_every_prompt_at_batch_size_above_one(workdir, tmp_path, capsys):
+  prompt_file = tmp_path / 'prompts.jsonl'
+  prompt_file.write_text(''.join(json.dumps({'prompt': p}) + '\n' for p in PROMPTS))
+  out = tmp_path / 'out.jsonl'
+  _run([f'--workdir={workdir}', f'--prompt_file={prompt_file}', '--max_new_tokens=6',
+        '--stream', '--batch_size=2', f'--output={out}'])
+  records = _read(out)
+  printed = capsys.readouterr().out
+  # Each prompt under its own header, numbered as the output rows are ordered.
+  assert printed == ''.join(f'=== prompt {i} ===\n{r["prompt"]}{r["completion"]}\n'
+                            for i, r in enumerate(records))
+  assert [r['prompt'] for r in records] == PROMPTS
+
+
 def test_printer_keeps_prompts_in_order():
   lines = []
 
@@ -100,6 +115,14 @@ def test_non_utf8_prompt_file_names_the_line(tmp_path):
   path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
   with pytest.raises(ValueError, match=r'latin1.jsonl:2: not UTF-8 text \(byte 0xe9'):
     generate.read_prompt_file(path)
+
+
+def test_a_prompt_file_with_a_bom_and_crlf_line_ends_reads(tmp_path):
+  path = tmp_path / 'windows.jsonl'
+  path.write_bytes(b'\xef\xbb\xbf{"prompt": "def f():"}\r\n\r\n{"prompt": "caf\xc3\xa9"}\r\n')
+  assert generate.read_prompt_file(path) == ['def f():', 'caf\u00e9']
+  path.write_bytes(b'\xef\xbb\xbf\r\n{"prompt": "x"}\r\n{"prompt": "\xef\xbb\xbfkept"}')
+  assert generate.read_prompt_file(path) == ['x', '\ufeffkept']  # Only the file's own BOM.
 
 
 @pytest.mark.parametrize('argv,message', [

@@ -9,7 +9,10 @@ r"""Tokenizes a corpus once into sharded ArrayRecord files that training streams
 file, or a glob of them. --tokenizer is `byte`, `bpe` (trained on the source's train split,
 --vocab_size ids) or a directory with a tokenizer.json (a workdir or another dataset). The
 output holds train/ and valid/ shards, tokenizer.json and manifest.json (mtp/data/shards.py);
-it appears only when complete. Failures print one line and exit with 1 (2 for bad flags).
+it appears only when complete. A directory source reads only the files --extensions names
+(default .py): the others are counted in a warning. While it runs the output is locked
+(`<output>.lock`): a second run on it is refused. Failures print one line and exit with 1 (2 for
+bad flags).
 """
 
 import json
@@ -26,7 +29,8 @@ flags.DEFINE_string('source', None, 'A directory, stdlib, a .jsonl / .parquet fi
 flags.DEFINE_string('output', None, 'The dataset directory to write.')
 flags.DEFINE_string('text_field', 'text', 'JSONL field / Parquet column holding the text.')
 flags.DEFINE_string('id_field', '', 'Record field the valid split hashes (default: the text).')
-flags.DEFINE_list('extensions', ['.py'], 'File suffixes read from a directory source.')
+flags.DEFINE_list('extensions', ['.py'], 'File suffixes read from a directory source, e.g. '
+                  '.py,.md,.txt; files with other suffixes are skipped (a warning counts them).')
 flags.DEFINE_string('tokenizer', 'byte', "'byte', 'bpe', or a directory with a tokenizer.json.")
 flags.DEFINE_integer('vocab_size', 4096, 'BPE vocabulary size (--tokenizer=bpe).')
 flags.DEFINE_integer('bpe_sample_bytes', prepare_lib.DEFAULT_BPE_SAMPLE_BYTES,

@@ -1,6 +1,8 @@
 """launch.prepare_data: the command, its output line and its failures."""
 
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 from launch import prepare_data
+from mtp.checkpoint import workdir_lock
 from mtp.data import shards
 from mtp.data import tokenizer as tokenizer_lib
 
@@ -43,3 +46,23 @@ def test_the_command_prints_its_dataset(corpus, tmp_path, capsys):
                                        r"'text'"):
     _prepare(f'--source={corpus}', f'--output={tmp_path / "other"}', '--num_workers=1')
   assert not (tmp_path / 'other').exists()
+
+
+@flagsaver.flagsaver
+def test_a_second_run_on_the_same_output_fails_with_one_line(corpus, tmp_path, monkeypatch):
+  monkeypatch.delenv('MTP_TRACEBACK', raising=False)
+  output = tmp_path / 'ds'
+  with workdir_lock.WorkdirLock(output):  # As a first run on it holds it.
+    with pytest.raises(SystemExit) as exit_info:
+      _prepare(f'--source={corpus}', '--text_field=content', '--num_workers=1',
+               f'--output={output}')
+  message = exit_info.value.code
+  assert isinstance(message, str) and '\n' not in message  # One line; exit code 1.
+  assert re.match(rf'launch.prepare_data: {output} is in use by pid {os.getpid()} .*'
+                  rf'{output}.lock', message), message
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_extensions_flag_says_what_it_filters():
+  help_text = FLAGS['extensions'].help
+  assert 'skipped' in help_text and '.py' in help_text

@@ -13,7 +13,13 @@ only the heads: `base.json` then names the base workdir whose latest checkpoint 
 (relative to the heads workdir when the two sit near each other, so the pair can be moved).
 
 Restoring the latest checkpoint resumes training exactly. A checkpoint that cannot be read is
-reported by name and left untouched: nothing is written over it.
+reported by name in one line (the reader's detail, TensorStore's kilobytes of it, goes to the
+debug log: --verbosity=1) and left untouched: nothing is written over it. Training stops there,
+naming the step it would resume from once that checkpoint is moved away (resuming from an
+earlier step by itself would collide with the unreadable step's directory when it saves that
+step again, and would throw progress away on a read that failed for a passing reason); loading
+parameters of the latest step (`restore_params` without a step: generation, serving, init_from)
+falls back to the newest checkpoint that restores, with a warning naming both.
 """
 
 from __future__ import annotations
@@ -27,13 +33,13 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 from flax import nnx
 
 from mtp.checkpoint import fingerprint
 from mtp.checkpoint import param_tree
 from mtp.checkpoint import paths
-from mtp.data import pipeline
 from mtp.model import heads as heads_lib
 from mtp.model import layout
 from mtp.model import mtp_model
@@ -46,6 +52,36 @@ BASE_FILENAME = 'base.json'
 
 class CheckpointError(RuntimeError):
   """A checkpoint is missing or unreadable."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+  """A checkpoint whose files do not read back (truncated, corrupt); `path` names it, `reason`
+  says what failed in a few words."""
+
+  def __init__(self, path, reason: str, older: int | None):
+    self.path, self.reason = path, reason
+    advice = (f'to resume from step {older}, the one before it, move it out of {path.parent}'
+              if older is not None else 'there is no earlier checkpoint')
+    super().__init__(f'Checkpoint {path} could not be restored ({reason}). It was left '
+                     f'untouched; {advice} (--verbosity=1 logs the details).')
+
+
+def _brief(error: BaseException, limit: int = 300) -> str:
+  """`error` in one short line: its innermost cause's first line, as `Type: text` (Orbax wraps
+  a TensorStore error whose own text holds the whole spec, kilobytes, around the one line that
+  says what failed)."""
+  seen = {id(error)}
+  while True:
+    inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    if inner is None or id(inner) in seen:
+      break
+    error = inner
+    seen.add(id(error))
+  text = next((line.strip() for line in str(error).splitlines() if line.strip()), '')
+  text = text.split(' See full TensorStore details')[0]
+  if len(text) > limit:
+    text = text[:limit - 3] + '...'
+  return f'{type(error).__name__}: {text}' if text else type(error).__name__
 
 
 def write_json_atomically(path: str | os.PathLike, obj: Any) -> None:
@@ -161,7 +197,7 @@ class Checkpointer:
     items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
                  fingerprints=_fingerprints_args(params=params, opt_state=opt_state))
     if data_iterator is not None:
-      items[_DATA_POSITION] = pipeline.iterator_checkpoint_args(data_iterator)
+      items[_DATA_POSITION] = _pipeline().iterator_checkpoint_args(data_iterator)
     return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
 
   def save_params(self, step: int, params) -> bool:
@@ -186,28 +222,30 @@ class Checkpointer:
                (('params', params), ('opt_state', opt_state)) if target is not None}
       items = {name: ocp.args.StandardRestore(tree.item) for name, tree in trees.items()}
       if data_iterator is not None and (path / _DATA_POSITION).exists():
-        items[_DATA_POSITION] = pipeline.iterator_checkpoint_args(data_iterator, restore=True)
+        items[_DATA_POSITION] = _pipeline().iterator_checkpoint_args(data_iterator, restore=True)
       if (path / _FINGERPRINTS).exists():  # Checkpoints written before fingerprints have none.
         items[_FINGERPRINTS] = ocp.args.JsonRestore()
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except (CheckpointError, layout.LayoutMismatchError):
       raise
     except Exception as e:  # Orbax raises many types for unreadable files.
-      raise CheckpointError(
-          f'Checkpoint {path} could not be restored ({type(e).__name__}: {e}). It was left '
-          'untouched; move it away to resume from an earlier step.') from e
+      logging.debug('Restoring checkpoint %s failed: %s', path, e)  # --verbosity=1
+      raise UnreadableCheckpointError(path, _brief(e), self._older(step)) from e
     saved = restored.get(_FINGERPRINTS) if _FINGERPRINTS in items else None
     for name in trees:
       bad = fingerprint.mismatches(restored[name], saved.get(name, {})) if saved else []
       if bad:
-        raise CheckpointError(
-            f'Checkpoint {path / name} is corrupt: {len(bad)} arrays read back other values '
-            f'than were saved, such as {bad[0]} (their fingerprints differ). It was left '
-            'untouched; move it away to resume from an earlier step.')
+        raise UnreadableCheckpointError(
+            path, f'{name}: {len(bad)} arrays read back other values than were saved, such as '
+            f'{bad[0]}: their fingerprints differ', self._older(step))
     if data_iterator is not None:
       data_iterator.set_state(_data_position(path, restored.get(_DATA_POSITION)))
     out = {name: tree.unpack(restored[name]) for name, tree in trees.items()}
     return out.get('params'), out.get('opt_state')
+
+  def _older(self, step: int) -> int | None:
+    """The newest step before `step`, if any."""
+    return max((s for s in self.all_steps() if s < step), default=None)
 
   def close(self) -> None:
     self._manager.wait_until_finished()
@@ -225,6 +263,7 @@ _LEGACY_DATA = 'data'
 
 def _data_position(path: pathlib.Path, saved) -> dict[str, int]:
   """The data iterator state saved in checkpoint `path` (`saved`: its data_position item)."""
+  pipeline = _pipeline()
   try:
     if saved is not None:
       return {pipeline.POSITION_KEY: pipeline.position_from_state(saved)}
@@ -234,6 +273,13 @@ def _data_position(path: pathlib.Path, saved) -> dict[str, int]:
     raise CheckpointError(f'Checkpoint {path}: unreadable data position ({e}).') from e
   raise CheckpointError(f'Checkpoint {path} holds no data position ({_DATA_POSITION}/): it '
                         'cannot resume training (it holds parameters only?).')
+
+
+def _pipeline():
+  """`mtp.data.pipeline`, imported where training saves or restores a data position: it
+  imports grain, which decoding (`mtp.load`) does without (the GPU machines' image lacks it)."""
+  from mtp.data import pipeline  # pylint: disable=import-outside-toplevel
+  return pipeline
 
 
 def _fingerprints_args(**trees) -> ocp.args.JsonSave:
@@ -288,30 +334,57 @@ def restore_params(workdir: str | os.PathLike, target: nnx.State, *, step: int |
 def _restore_parts(workdir: pathlib.Path, target: nnx.State, step: int | None,
                    parts: Sequence[str], convert_layout: bool = True) -> tuple[int, dict]:
   """(step, {path: array}) of `parts` at `step` (default the latest) of `workdir`, the trunk's
-  layers in `target`'s layout."""
+  layers in `target`'s layout.
+
+  Without a step, a latest checkpoint that does not read back gives way to the newest that
+  does, with a warning naming both; when none does, the error names the latest."""
   checkpointer = Checkpointer(workdir, read_only=True)
   try:
     steps = checkpointer.all_steps()
     if not steps:
       raise CheckpointError(f'{checkpointer.directory} holds no checkpoint.')
-    step = max(steps) if step is None else step
-    if step not in steps:
+    if step is not None and step not in steps:
       raise CheckpointError(f'{checkpointer.directory} has no step {step}; it has {steps}.')
     if not parts:
-      return step, {}
+      return max(steps) if step is None else step, {}
     wanted = param_tree.select(target, parts)
-    saved_layout = _saved_layout(checkpointer.directory / str(step) / 'params')
-    wanted_layout = layout.tree_layout(layout.nest(_flat(wanted)))
-    if saved_layout is None or wanted_layout is None or saved_layout == wanted_layout:
-      params, _ = checkpointer.restore(step, wanted)
-      return step, _flat(params)
-    if not convert_layout:
-      raise layout.LayoutMismatchError(layout.mismatch_message(
-          f'The checkpoint {checkpointer.directory / str(step)}', saved_layout, wanted_layout,
-          workdir))
-    return step, _restore_converted(checkpointer, step, wanted, wanted_layout)
+    if step is not None:
+      return step, _restore_step(checkpointer, workdir, step, wanted, convert_layout)
+    newest = None
+    for candidate in sorted(steps, reverse=True):
+      try:
+        restored = _restore_step(checkpointer, workdir, candidate, wanted, convert_layout)
+      except UnreadableCheckpointError as e:
+        newest = newest or e
+        continue
+      if newest is not None:
+        logging.warning('Checkpoint %s could not be restored (%s): restored step %d, the newest '
+                        'checkpoint that restores, instead (the other was left untouched).',
+                        newest.path, newest.reason, candidate)
+      return candidate, restored
+    if len(steps) == 1:
+      raise newest
+    raise CheckpointError(
+        f'Checkpoint {newest.path} could not be restored ({newest.reason}), nor could any '
+        f'earlier one (steps {sorted(steps)[:-1]}); they were left untouched (--verbosity=1 '
+        'logs the details).') from newest
   finally:
     checkpointer.close()
+
+
+def _restore_step(checkpointer: Checkpointer, workdir: pathlib.Path, step: int, wanted,
+                  convert_layout: bool) -> dict:
+  """{path: array} of `wanted` at `step`, the trunk's layers in `wanted`'s layout."""
+  saved_layout = _saved_layout(checkpointer.directory / str(step) / 'params')
+  wanted_layout = layout.tree_layout(layout.nest(_flat(wanted)))
+  if saved_layout is None or wanted_layout is None or saved_layout == wanted_layout:
+    params, _ = checkpointer.restore(step, wanted)
+    return _flat(params)
+  if not convert_layout:
+    raise layout.LayoutMismatchError(layout.mismatch_message(
+        f'The checkpoint {checkpointer.directory / str(step)}', saved_layout, wanted_layout,
+        workdir))
+  return _restore_converted(checkpointer, step, wanted, wanted_layout)
 
 
 def _saved_layout(directory: pathlib.Path) -> str | None:

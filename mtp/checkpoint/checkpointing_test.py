@@ -1,8 +1,11 @@
 """Restoring parameters: parts of a tree, checkpoints of another model, and the heads' legacy
 parameter names (in the parameters and in the optimizer state)."""
 
+import gc
 import importlib
 import json
+import logging
+import shutil
 
 import chex
 import jax
@@ -168,3 +171,61 @@ def test_a_missing_base_is_named_with_how_to_point_at_it(tmp_path):
                      match=f'{base} is not an mtp workdir.*set "base_workdir" in '
                            f'{heads / "base.json"}'):
     checkpointing.base_reference(heads)
+
+
+def _truncate_params(step_dir):
+  """Truncates the largest data file of a checkpoint's parameters, as a full disk leaves it."""
+  data = max((f for f in (step_dir / 'params').rglob('*') if f.is_file()),
+             key=lambda f: f.stat().st_size)
+  with open(data, 'r+b') as f:
+    f.truncate(1000)
+
+
+def _collect_failed_reads():
+  """Orbax leaves a failed restore's unfinished reads (coroutines) to the garbage collector:
+  collected here rather than at some later moment (once inside pytest's own compile of a
+  module, which then failed)."""
+  gc.collect()
+
+
+def _copy_with_two_steps(tiny_workdir, path):
+  """A copy of the tiny workdir holding steps 2 and 4 (4 a copy of 2), step 4 truncated."""
+  shutil.copytree(tiny_workdir, path)
+  checkpoints = path / checkpointing.CHECKPOINT_DIRNAME
+  shutil.copytree(checkpoints / '2', checkpoints / '4')
+  _truncate_params(checkpoints / '4')
+  return path
+
+
+def test_a_truncated_checkpoint_is_named_in_one_short_line(tiny_workdir, tmp_path):
+  import mtp  # pylint: disable=import-outside-toplevel
+  workdir = _copy_with_two_steps(tiny_workdir, tmp_path / 'w')
+  step_dir = workdir / checkpointing.CHECKPOINT_DIRNAME / '4'
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    mtp.load(workdir, step=4)  # A step asked for: no other step will do.
+  message = str(e.value)
+  assert '\n' not in message and len(message) < 600, message  # Not TensorStore's 2 KB spec.
+  assert f'Checkpoint {step_dir} could not be restored' in message
+  assert 'OUT_OF_RANGE' in message and 'TensorStore(' not in message
+  # Training would resume it: the line says which step it can resume from instead, and how.
+  assert f'to resume from step 2, the one before it, move it out of {step_dir.parent}' in message
+  del e
+  _collect_failed_reads()
+
+
+def test_loading_falls_back_to_the_newest_checkpoint_that_restores(tiny_workdir, tmp_path,
+                                                                    caplog):
+  import mtp  # pylint: disable=import-outside-toplevel
+  workdir = _copy_with_two_steps(tiny_workdir, tmp_path / 'w')
+  step_dir = workdir / checkpointing.CHECKPOINT_DIRNAME / '4'
+  with caplog.at_level(logging.WARNING):
+    loaded = mtp.load(workdir)
+  assert loaded.step == 2
+  [warning] = [r.getMessage() for r in caplog.records if 'restored step 2' in r.getMessage()]
+  assert '\n' not in warning and f'{step_dir} could not be restored' in warning, warning
+  assert step_dir.is_dir()  # Left untouched.
+  for step in ('2', '4'):  # None restores: the newest's error.
+    _truncate_params(workdir / checkpointing.CHECKPOINT_DIRNAME / step)
+  with pytest.raises(checkpointing.CheckpointError, match=f'Checkpoint {step_dir} could not'):
+    mtp.load(workdir)
+  _collect_failed_reads()

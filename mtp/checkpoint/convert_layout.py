@@ -5,7 +5,8 @@ training does not (`mtp.model.layout.LayoutMismatchError`), because the optimize
 the parameters' layout. `convert_workdir` writes a new workdir whose latest checkpoint holds the
 parameters, the optimizer state (both with the trunk's layers stacked or unstacked by
 `layout.to_layout`) and the data position of the source's, and whose config says the new
-layout. The source is only read.
+layout. The source is only read; the output's lock (`<output>.lock`, `workdir_lock`, the one a
+trainer of it would take) is held while it is written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import workdir_lock
 from mtp.model import layout
 
 _TREES = ('params', 'opt_state')
@@ -38,14 +40,26 @@ def convert_workdir(workdir: str | os.PathLike, output: str | os.PathLike,
   Raises:
     checkpointing.CheckpointError: no workdir, or no checkpoint in it.
     ValueError: `output` exists, or the workdir is in that layout already.
+    workdir_lock.WorkdirLockedError: another process writes `output`.
   """
   workdir, output = pathlib.Path(workdir), pathlib.Path(output)
   config = checkpointing.load_config(workdir)
   if bool(config.model.get('scan_layers', False)) == scan_layers:
     raise ValueError(f'{workdir} is {layout.layout_name(scan_layers)} already '
                      f'(model.scan_layers={scan_layers}).')
+  _check_output(output)
+  with workdir_lock.WorkdirLock(output):
+    _check_output(output)  # Still free now that it is ours.
+    return _convert(workdir, output, config, scan_layers)
+
+
+def _check_output(output: pathlib.Path) -> None:
   if output.exists():
     raise ValueError(f'{output} exists: the conversion writes a new workdir.')
+
+
+def _convert(workdir: pathlib.Path, output: pathlib.Path, config, scan_layers: bool) -> int:
+  """`convert_workdir` once the output's lock is held."""
   source = checkpointing.Checkpointer(workdir, read_only=True)
   try:
     steps = source.all_steps()
@@ -58,8 +72,10 @@ def convert_workdir(workdir: str | os.PathLike, output: str | os.PathLike,
   converted = {name: layout.to_layout(tree, scan_layers, layer_key=str)
                for name, tree in trees.items()}
 
+  # Staging siblings of conversions to this output that were killed: stale, as the lock is ours.
+  for stale in output.parent.glob(f'.{output.name}.converting-*'):
+    shutil.rmtree(stale, ignore_errors=True)
   staging = output.with_name(f'.{output.name}.converting-{os.getpid()}')
-  shutil.rmtree(staging, ignore_errors=True)
   try:
     staging.mkdir(parents=True)
     with config.unlocked():

@@ -1,7 +1,9 @@
 """One writer per workdir: a lock file beside the workdir, `<workdir>.lock`.
 
 Training and `launch.import_weights` hold it while they write (in a multi-host run, process 0
-does). The file records the holder (pid, host, command, start time) and is removed on exit.
+does); `launch.export`, `launch.prepare_data` and `launch.convert_layout` hold their output's
+while they build it beside it and rename it into place. The file records the holder (pid, host,
+command, start time) and is removed on exit.
 
 On a local file system the file is also `flock`ed, so the kernel releases the lock when its
 holder dies: a file left by a process of this host that died (kill -9) is stale, and is taken
@@ -90,7 +92,7 @@ def _is_stale(record: dict[str, Any] | None) -> bool:
 def _refusal(path: str, workdir: str, record: dict[str, Any] | None) -> WorkdirLockedError:
   return WorkdirLockedError(
       f'{workdir} is in use by {_describe(record)}: {path} locks it. Two writers would overwrite '
-      'each other\'s checkpoints. If that process is gone (another host, say), delete '
+      'each other\'s files. If that process is gone (another host, say), delete '
       f'{path} and run again.')
 
 

@@ -65,6 +65,9 @@ def stdlib_files() -> list[pathlib.Path]:
   return files
 
 
+_LISTED_SKIP_DIRS = frozenset({'__pycache__'})
+
+
 def list_files(directory: str | pathlib.Path, extensions: Iterable[str]) -> list[pathlib.Path]:
   """Sorted files under `directory` whose name ends with one of `extensions`.
 
@@ -75,11 +78,16 @@ def list_files(directory: str | pathlib.Path, extensions: Iterable[str]) -> list
   if not directory.is_dir():
     raise ValueError(f'Corpus directory {str(directory)!r} does not exist or is not a '
                      'directory.')
-  files = _walk(directory, extensions, frozenset({'__pycache__'}))
+  files = _walk(directory, extensions, _LISTED_SKIP_DIRS)
   if not files:
     raise ValueError(f'Corpus directory {str(directory)!r} holds no file with extension '
                      f'{list(extensions)}.')
   return files
+
+
+def count_files(directory: str | pathlib.Path) -> int:
+  """How many files `list_files` looks at under `directory`, whatever their extension."""
+  return len(_walk(pathlib.Path(directory), ('',), _LISTED_SKIP_DIRS))
 
 
 def unit_hash(key: str) -> float:

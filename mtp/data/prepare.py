@@ -3,14 +3,19 @@
 Documents stream from the source (`sources`) in chunks to worker processes that read (files) and
 tokenize them; the parent writes their ids in source order, so the result does not depend on the
 number of workers. At most a few chunks per worker are in flight: memory does not grow with the
-corpus. Everything is written to a staging directory beside the output and renamed into place at
-the end, so a killed run leaves no half dataset under the output's name.
+corpus. A worker that cannot start (its tokenizer unreadable) or that dies ends the run with one
+error. Everything is written to a staging directory beside the output and renamed into place at
+the end, so a killed run leaves no half dataset under the output's name. The output's lock
+(`<output>.lock`, `checkpoint/workdir_lock.py`, as `launch.export` takes its output's) keeps a
+second run on the same output out: it would take the first's staging directory for a killed
+run's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 import collections
+from concurrent import futures
 import json
 import logging
 import multiprocessing
@@ -22,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from mtp.checkpoint import workdir_lock
 from mtp.data import corpora
 from mtp.data import shards
 from mtp.data import sources
@@ -57,7 +63,8 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
     vocab_size: the BPE vocabulary size.
     text_field, id_field: the record fields holding the text and (optional) the key the split
       hashes; records only.
-    extensions: file suffixes read from a directory.
+    extensions: file suffixes read from a directory (the others are counted, named in a
+      warning and in the manifest's `skipped`).
     valid_fraction: the share of documents held out, by a hash of each key.
     num_workers: tokenizing processes; 0 uses every CPU, 1 tokenizes in this process.
     shard_tokens: a shard closes once it holds this many tokens.
@@ -67,6 +74,7 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
 
   Raises:
     PrepareError, sources.SourceError: bad arguments, before anything is written.
+    workdir_lock.WorkdirLockedError: another run writes `output`.
   """
   output = pathlib.Path(output).expanduser().absolute()
   if output.exists() and not overwrite:
@@ -80,6 +88,27 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
     raise PrepareError(f'num_workers must be >= 0, got {num_workers}.')
   corpus = sources.open_source(source, text_field=text_field, id_field=id_field,
                                extensions=extensions)
+  if corpus.other_files:
+    logging.warning('Skipped %d files under %s: --extensions reads only %s (pass, say, '
+                    '--extensions=.py,.md to read others too).', corpus.other_files, source,
+                    list(extensions))
+  with workdir_lock.WorkdirLock(output):
+    if output.exists() and not overwrite:  # Made by another run before the lock was ours.
+      raise PrepareError(f'{output} already exists: choose another --output or pass '
+                         '--overwrite.')
+    result = _write(corpus, output, tokenizer, vocab_size, valid_fraction, num_workers,
+                    shard_tokens, bpe_sample_bytes, record_tokens)
+  if not result['splits']['valid']['num_documents']:
+    logging.warning('The validation split is empty (--valid_fraction=%g held out none of %d '
+                    'documents): train on %s with --config.eval_steps=0.', valid_fraction,
+                    result['num_documents'], output)
+  return result
+
+
+def _write(corpus: sources.Source, output: pathlib.Path, tokenizer: str, vocab_size: int,
+           valid_fraction: float, num_workers: int, shard_tokens: int, bpe_sample_bytes: int,
+           record_tokens: int) -> dict[str, Any]:
+  """`prepare` once the output's lock is held: the staging directory, filled and renamed."""
   tok = _tokenizer(tokenizer, corpus, valid_fraction, vocab_size, bpe_sample_bytes)
   _remove_stale_staging(output)
   staging = output.with_name(f'.{output.name}{STAGING_MARK}{os.getpid()}')
@@ -95,10 +124,11 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
       writers[split].add(ids)
     splits = {s: w.close() for s, w in writers.items()}
     if not splits['train']['num_documents']:
-      raise PrepareError(f'Source {source!r} gave no training documents '
+      raise PrepareError(f'Source {corpus.spec!r} gave no training documents '
                          f'(skipped: {dict(skipped)}).')
     seconds = time.perf_counter() - start
     skipped['null_texts'] = corpus.skipped_nulls
+    skipped['other_extensions'] = corpus.other_files
     manifest = {
         'format': shards.FORMAT, 'version': shards.VERSION,
         'source': corpus.describe(), 'valid_fraction': valid_fraction,
@@ -187,34 +217,60 @@ def _tokenized(corpus: sources.Source, valid_fraction: float, staging: pathlib.P
       skipped.update(counts)
       yield from docs
     return
-  # Spawned, not forked: the parent may run tokenizer threads already (BPE training).
-  with multiprocessing.get_context('spawn').Pool(workers, _init_worker, (str(staging),)) as pool:
+  # Spawned, not forked: the parent may run tokenizer threads already (BPE training). Not a
+  # multiprocessing.Pool: it respawns a worker that fails at start without end, and waits
+  # forever for the task of one that died; this pool breaks, and the run ends.
+  pool = futures.ProcessPoolExecutor(workers, multiprocessing.get_context('spawn'),
+                                     _init_worker, (str(staging),))
+  try:
     pending: collections.deque = collections.deque()
     for chunk in chunks:
-      pending.append(pool.apply_async(_tokenize_chunk, (chunk,)))
+      pending.append(pool.submit(_tokenize_chunk, chunk))
       if len(pending) >= 2 * workers:  # Bounded: the source is read only as fast as used.
-        docs, counts = pending.popleft().get()
+        docs, counts = _result(pending.popleft())
         skipped.update(counts)
         yield from docs
     while pending:
-      docs, counts = pending.popleft().get()
+      docs, counts = _result(pending.popleft())
       skipped.update(counts)
       yield from docs
+  finally:
+    pool.shutdown(cancel_futures=True)
+
+
+def _result(future: futures.Future):
+  """A chunk's result; a worker's failure as one PrepareError (without the worker's traceback
+  chained on: the message says it all)."""
+  try:
+    return future.result()
+  except PrepareError as e:
+    raise PrepareError(str(e)) from None
+  except futures.BrokenExecutor as e:  # A worker died: the pool is broken.
+    raise PrepareError(f'a tokenizing worker died ({e}): out of memory, or killed?') from None
 
 
 _worker_tokenizer: tokenizer_lib.Tokenizer | None = None
+_worker_error: str | None = None
 
 
 def _init_worker(tokenizer_dir: str, threads: bool = False) -> None:
-  global _worker_tokenizer
+  """Loads the tokenizer; a failure is kept for `_tokenize_chunk` to raise, so that it reaches
+  the parent as one error rather than a traceback per worker on stderr."""
+  global _worker_tokenizer, _worker_error
   if not threads:  # One thread per worker process: the processes are the parallelism.
     os.environ['TOKENIZERS_PARALLELISM'] = 'false'
-  _worker_tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_dir)
+  _worker_tokenizer, _worker_error = None, None
+  try:
+    _worker_tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_dir)
+  except Exception as e:  # pylint: disable=broad-except  # Whatever it is, the run ends with it.
+    _worker_error = f'{type(e).__name__}: {e}'
 
 
 def _tokenize_chunk(chunk: list[tuple[str, sources.Document]]
                     ) -> tuple[list[tuple[str, np.ndarray]], dict[str, int]]:
   """Reads (files) and tokenizes one chunk; eos ends every document."""
+  if _worker_error is not None:
+    raise PrepareError(f'a tokenizing worker failed to start: {_worker_error}')
   tok = _worker_tokenizer
   reader = corpora.TextReader()
   kept, texts = [], []
@@ -232,7 +288,7 @@ def _tokenize_chunk(chunk: list[tuple[str, sources.Document]]
 
 
 def _remove_stale_staging(output: pathlib.Path) -> None:
-  """Staging directories a killed run left beside `output`."""
+  """Staging directories a killed run left beside `output` (stale: the lock is ours)."""
   if not output.parent.is_dir():
     return
   for stale in output.parent.glob(f'.{output.name}{STAGING_MARK}*'):

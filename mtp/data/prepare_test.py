@@ -1,15 +1,24 @@
 """Tests for mtp.data.prepare: datasets from a directory, JSONL and Parquet; manifest; failures."""
 
 import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from mtp.checkpoint import workdir_lock
 from mtp.data import corpora
 from mtp.data import prepare
 from mtp.data import shards
 from mtp.data import sources
 from mtp.data import tokenizer as tokenizer_lib
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -110,3 +119,56 @@ def test_bad_arguments_write_nothing(code_dir, tmp_path):
   assert replaced['splits']['valid']['num_documents'] == 0
   assert shards.open_dataset(out).manifest['valid_fraction'] == 0.0
   assert sorted(p.name for p in tmp_path.iterdir()) == ['bad.jsonl', 'code', 'ds']
+
+
+def test_a_second_run_on_the_same_output_is_refused_and_leaves_the_first_alone(code_dir,
+                                                                                tmp_path):
+  out = tmp_path / 'ds'
+  live = tmp_path / f'.ds{prepare.STAGING_MARK}1'  # The first run's staging (pid 1, say).
+  with workdir_lock.WorkdirLock(out):  # As the first run holds it.
+    live.mkdir()
+    with pytest.raises(workdir_lock.WorkdirLockedError, match=f'is in use by pid {os.getpid()}'):
+      prepare.prepare(str(code_dir), out, num_workers=1)
+    assert live.is_dir() and not out.exists()
+    live.rmdir()
+  prepare.prepare(str(code_dir), out, num_workers=1)  # Free again: it runs.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['code', 'ds']
+
+
+def test_a_worker_that_fails_at_start_ends_the_run_with_one_line(tmp_path):
+  """Workers load the tokenizer from the staging directory: without one, each fails at start.
+  The run ends with one error, not respawned workers forever."""
+  path = tmp_path / 'c.jsonl'
+  path.write_text(''.join(json.dumps({'text': f'record {i}'}) + '\n' for i in range(50)))
+  script = ('import collections, sys; from mtp.data import prepare, sources; '
+            f'corpus = sources.open_source({str(path)!r}); '
+            'list(prepare._tokenized(corpus, 0.0, sys.argv[1], 2, collections.Counter()))')
+  run = subprocess.Popen([sys.executable, '-c', script, str(tmp_path / 'no_tokenizer')],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, cwd=_REPO)
+  try:
+    _, err = run.communicate(timeout=120)
+  except subprocess.TimeoutExpired:
+    os.killpg(run.pid, signal.SIGKILL)  # The workers too.
+    _, err = run.communicate()
+    pytest.fail(f'the run did not end; it printed {len(err.splitlines())} lines')
+  assert run.returncode != 0
+  assert err.count('Traceback') <= 1, err  # The parent's; no worker's.
+  assert re.search(r'PrepareError: a tokenizing worker failed to start: .*no_tokenizer',
+                   err.strip().splitlines()[-1]), err
+
+
+def test_files_the_extension_filter_skips_and_an_empty_valid_split_are_named(tmp_path,
+                                                                               caplog):
+  root = tmp_path / 'docs'
+  root.mkdir()
+  (root / 'only.py').write_text('print(1)\n')
+  for name in ('a.md', 'b.txt', 'c.rst'):
+    (root / name).write_text('prose\n')
+  with caplog.at_level(logging.WARNING):
+    result = prepare.prepare(str(root), tmp_path / 'ds', num_workers=1, valid_fraction=0.1)
+  assert result['splits']['valid']['num_documents'] == 0
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert any('3 files' in w and '--extensions' in w and "['.py']" in w for w in warnings), warnings
+  assert any('validation split is empty' in w and 'eval_steps=0' in w for w in warnings), warnings
+  assert result['skipped'] == {'other_extensions': 3}

@@ -53,8 +53,9 @@ class Document:
 class Source:
   """A corpus to stream: `kind` is 'directory' or 'records'.
 
-  For a directory, `files` are its sorted files and `root` their folder; for records, `files`
-  are the JSONL / Parquet files.
+  For a directory, `files` are its sorted files and `root` their folder, and `other_files`
+  counts the files there that `extensions` left out; for records, `files` are the JSONL /
+  Parquet files.
   """
   spec: str
   kind: str
@@ -63,6 +64,7 @@ class Source:
   text_field: str = 'text'
   id_field: str = ''
   skipped_nulls: int = 0
+  other_files: int = 0
 
   def describe(self) -> dict[str, Any]:
     """What the manifest records about the source."""
@@ -186,7 +188,8 @@ def open_source(spec: str, *, text_field: str = 'text', id_field: str = '',
         files = corpora.list_files(path, extensions)
       except ValueError as e:
         raise SourceError(str(e)) from e
-      return Source(spec, 'directory', files, path)
+      return Source(spec, 'directory', files, path,
+                    other_files=corpora.count_files(path) - len(files))
     if not path.exists():
       raise SourceError(f'Source {spec!r} does not exist.')
     files = [path]

@@ -7,7 +7,8 @@ hands it to the format's `write(loaded, directory, dtype, **options) -> dict`, w
 empty directory. That directory is a temporary sibling of `output` (`.NAME.exporting-PID`),
 renamed to `output` only when complete and holding its `export.json`; any failure removes it,
 so `output` is either whole or absent (a killed export's staging directory is removed by the
-next export to the same output).
+next export to the same output). Every file of an export gets the mode an ordinary new file gets
+(0666 less the umask: 0644 as a rule), weights included, whatever their writer chose.
 
 The lock taken is the output's (`<output>.lock`, `checkpoint/workdir_lock.py`): the export
 writes there, and two exports to one output would race between their checks and the rename.
@@ -124,6 +125,7 @@ def export(workdir: str | os.PathLike, format: str, output: str | os.PathLike, *
     try:
       staging.mkdir()
       details = module.write(loaded, staging, np_dtype, **options) or {}
+      _ordinary_modes(staging)
       written_at = time.perf_counter()
       summary = {
           'format': fmt.name, 'output': str(output.absolute()), 'dtype': np_dtype.name,
@@ -196,7 +198,22 @@ def _latest_step(workdir: pathlib.Path) -> int:
   return max(steps)
 
 
+def _ordinary_modes(directory: pathlib.Path) -> None:
+  """Gives every file under `directory` the mode of an ordinary new file, 0666 less the umask:
+  safetensors writes its files 0600 (through a private temporary file)."""
+  umask = os.umask(0)  # Read back at once: the only portable way to learn it.
+  os.umask(umask)
+  for path in directory.rglob('*'):
+    if path.is_file() and not path.is_symlink():
+      path.chmod(0o666 & ~umask)
+
+
 def _check_output(output: pathlib.Path) -> None:
+  parent = output.parent
+  while not parent.exists() and parent != parent.parent:
+    parent = parent.parent
+  if not parent.is_dir():  # exists() is False below a file; mkdir would say "File exists".
+    raise ExportError(f'cannot create output {output}: {parent} is a file, not a directory')
   if output.exists() or output.is_symlink():
     kind = 'directory' if output.is_dir() else 'file'
     raise ExportError(f'output {output} already exists (a {kind}): exports never write over '

@@ -1,6 +1,7 @@
 """The export driver: every bad input is named before any work, and nothing is half-written."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -111,3 +112,14 @@ def test_mtp_load_names_an_export_it_does_not_run(tmp_path):
   (tmp_path / 'export.json').write_text('{"format": ')
   with pytest.raises(ValueError, match='export.json is corrupt: not valid JSON'):
     mtp.load(tmp_path)
+
+
+def test_every_export_file_has_the_ordinary_mode(workdir, tmp_path):
+  """Weights too (safetensors writes them 0600): 0644 under the usual umask, as other files."""
+  mask = os.umask(0)
+  os.umask(mask)
+  writer.export(workdir, 'hf', tmp_path / 'hf')
+  modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+           for p in sorted(tmp_path.rglob('*')) if p.is_file()}
+  assert 'hf/model.safetensors' in modes
+  assert set(modes.values()) == {oct(0o666 & ~mask)}, modes
