@@ -4,19 +4,23 @@
 #   bash benchmarks/device.sh --prepare [WORKDIR]  # here: wheels into .whl/, and WORKDIR (a
 #                                                  # trained code_small workdir) exported as a
 #                                                  # bfloat16 params-only model to .device/demo
-#   bash benchmarks/device.sh                      # there: install, run, results to
-#                                                  # results/device/ (and $OUT when set)
+#   bash benchmarks/device.sh                      # there: install, run, results to $OUT
+#                                                  # when set (else results/device/)
 #   bash benchmarks/device.sh --tiny               # a CPU smoke run of the same steps
 #
 # With the device tool: run(command="bash benchmarks/device.sh", carry=[".whl", ".device"],
-# timeout_s=540). It takes about 5 minutes on one H200 (most of it compiling).
+# timeout_s=540). It takes about 7 minutes on one H200, most of it compiling: benchmarks.device
+# runs in steps within --time_budget (450 s), prints each step's budget, skips a step that no
+# longer fits and rewrites device.json after every measurement, so a failed or killed run keeps
+# what ran (and device.log, its output, beside it in $OUT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 if [[ "${1:-}" == "--prepare" ]]; then
-  # The GPU image has JAX, flax, optax, orbax, chex and tensorstore; what mtp.load needs
-  # beyond them travels as wheels (pure Python, any platform).
+  # The GPU image has JAX, flax, optax, orbax, chex, tensorstore and transformers' tokenizers
+  # (no grain, gguf or web server: decoding imports none, benchmarks/device_imports_test.py);
+  # what mtp.load needs beyond them, ml-collections, travels as a wheel (pure Python).
   mkdir -p .whl
   "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: -d .whl ml-collections
   if [[ -n "${2:-}" ]]; then
@@ -41,9 +45,13 @@ fi
 if [[ -d .device/demo && "$*" != *--demo_workdir* ]]; then
   ARGS+=(--demo_workdir=.device/demo)
 fi
-"$PYTHON" -c 'import jax; print("jax", jax.__version__, jax.devices())'
-RESULTS=${RESULTS:-results/device}
-"$PYTHON" -m benchmarks.device --output_dir="$RESULTS" "${ARGS[@]}" "$@"
-if [[ -n "${OUT:-}" ]]; then
-  cp "$RESULTS/device.json" "$OUT/"
+RESULTS=${RESULTS:-${OUT:-results/device}}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+status=0
+"$PYTHON" -m benchmarks.device --output_dir="$RESULTS" "${ARGS[@]}" "$@" 2>&1 \
+    | tee "$RESULTS/device.log" || status=$?
+if [[ -n "${OUT:-}" && ! "$RESULTS" -ef "$OUT" ]]; then
+  cp "$RESULTS/device.json" "$RESULTS/device.log" "$OUT/" 2>/dev/null || true
 fi
+exit "$status"
