@@ -126,15 +126,25 @@ class AutoPolicy:
     """What one kind's probe, and separately its retries, may lose."""
     return self.budget / (2 * self.num_kinds)
 
+  @staticmethod
+  def row_costs(costs: Array, greedy: Array) -> Array:
+    """[B, K] each row's break-evens: costs [2, K] (greedy rows', sampled rows') by greedy [B]."""
+    return costs[jnp.where(greedy, 0, 1)]
+
+  def start_rows(self, data, settings) -> State:
+    """Fresh accounts for rows with these `settings.RowSettings`, from the `plan.PlanData`."""
+    return self.start(self.row_costs(data.costs, settings.temperature == 0),
+                      settings.max_tokens, data.expected)
+
   def start(self, costs: Array, max_tokens: Array, expected: Array | None = None) -> State:
-    """Fresh accounts for rows with budgets `max_tokens` [B]; costs: [K] break-evens; expected:
-    [K] tokens per step predicted (inf: unknown): a kind predicted below its break-even starts
-    stopped (its retries still sample it)."""
+    """Fresh accounts for rows with budgets `max_tokens` [B]; costs: [B, K] (or [K]) the rows'
+    break-evens (`row_costs`); expected: [K] tokens per step predicted (inf: unknown): a kind
+    predicted below its break-even starts stopped (its retries still sample it)."""
     b = max_tokens.shape[0]
-    probe = probe_steps(costs[None, :], max_tokens[:, None],
+    probe = probe_steps(costs, max_tokens[:, None],
                         jnp.asarray(self.least_probe, jnp.int32)[None, :], self.share)
     if expected is not None:
-      probe = jnp.where(expected[None, :] < costs[None, :], 0, probe)
+      probe = jnp.where(expected[None, :] < costs, 0, probe)
     zeros = jnp.zeros((b, self.num_kinds), jnp.int32)
     return State(pays=probe > 0, idle=zeros, tokens=zeros, steps=zeros, probe=probe,
                  evidence=jnp.full((b, self.num_kinds), jnp.nan, jnp.float32))
@@ -171,7 +181,7 @@ class AutoPolicy:
     kind's evidence may restart it; every step under `force`."""
     del ready
     deciding = _deciding(active, greedy, remaining)[:, None]
-    due = jnp.ceil(jnp.maximum(costs - 1, 0) / self.share)[None, :] - state.idle - 1
+    due = jnp.ceil(jnp.maximum(costs - 1, 0) / self.share) - state.idle - 1
     if any(self.evidence_kinds):
       watched = jnp.asarray(self.evidence_kinds)[None, :]
       due = jnp.where(watched, jnp.minimum(due, EVIDENCE_QUIET), due)
@@ -185,20 +195,20 @@ class AutoPolicy:
     none; then possibly several one-token steps) over `steps_taken` [B] steps (0: finished) and
     emitted `emitted` [B] tokens; `evidence` [B, K]: each kind's newest drafter's (NaN: none).
     Then each row's judgement: a stopped kind is retried when its wait is over or where its
-    evidence reaches the break-even."""
+    evidence reaches the break-even. costs: [B, K] (or [K]) the rows' break-evens."""
     active = steps_taken > 0
     counted = active[:, None] & (jnp.arange(1, self.num_kinds + 1)[None, :] == row_kind[:, None])
     tokens = state.tokens + jnp.where(counted, emitted[:, None], 0)
     steps = state.steps + counted.astype(jnp.int32)
     early = steps < state.probe
     pays = state.pays & (early | (tokens.astype(jnp.float32)
-                                  >= costs[None, :] * steps.astype(jnp.float32)))
+                                  >= costs * steps.astype(jnp.float32)))
     idle = jnp.where(pays, 0, state.idle + steps_taken[:, None])
-    failed_retry = jnp.maximum(costs[None, :] - 1, 0)  # One step whose drafts all fail.
+    failed_retry = jnp.maximum(costs - 1, 0)  # One step whose drafts all fail.
     if evidence is None:
       evidence = state.evidence
     retry = ~pays & ((idle.astype(jnp.float32) * self.share >= failed_retry)
-                     | (evidence >= costs[None, :]))
+                     | (evidence >= costs))
     keep = active[:, None]
     return State(pays=jnp.where(keep, pays | retry, state.pays),
                  idle=jnp.where(keep, jnp.where(retry, 0, idle), state.idle),
@@ -213,18 +223,18 @@ class AutoPolicy:
 # ------------------------------------------------------------------------------------------
 
 
-def _cache_key(engine, batch_size: int, prompt_width: int, kind: int) -> str:
+def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: bool) -> str:
   plan = engine.plan
   block, _ = plan.block(kind)
-  return (f'v{_LOOP_VERSION}|{cost_model.device_kind()}|{cost_model.model_key(engine.cfg)}'
+  return (f'v{_LOOP_VERSION}|{"sampled|" if sampled else ""}{cost_model.device_kind()}|{cost_model.model_key(engine.cfg)}'
           f'|B{batch_size}|P{prompt_width}|kind{kind}-{measurements.digest(repr(block))}'
           f'|{"rows" if plan.row_mapped else "batch"}|mesh'
           f'{plan.mesh.shape if plan.mesh is not None else None}'
           f'|V{plan.draft_vocab_size}|M{plan.max_new_tokens}|C{plan.capacity}')
 
 
-def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, steps: int = 64,
-               repeats: int = 5) -> float:
+def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
+               refresh: bool = False, steps: int = 64, repeats: int = 5) -> float:
   """Seconds per drafting step of `kind` over seconds per one-token step, for `engine`'s
   compiled loop on these prompts (greedy), measured once and cached (`measurements`).
 
@@ -240,6 +250,8 @@ def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, st
     engine: a `decode.engine.Engine` whose plan has this kind.
     prompts: [B, P] int32, right-padded, checked; lengths: [B].
     kind: the kind of drafting step (1..K).
+    sampled: for sampled rows (`engine.SAMPLED_TIMING`'s settings): their drafting steps cost
+      more (sorting every node's distribution for top-p) and the one-token step little more.
     refresh: measure again even when cached.
     steps, repeats: loop steps per timed run, and timed runs of each kind.
 
@@ -247,14 +259,15 @@ def break_even(engine, prompts, lengths, kind: int, *, refresh: bool = False, st
     The break-even in tokens per step (> 0; below 1: drafting costs nothing).
   """
   b, p = np.shape(prompts)
-  key = _cache_key(engine, b, p, kind)
+  key = _cache_key(engine, b, p, kind, sampled)
   if not refresh:
     cached = measurements.lookup(_TABLE, key, lambda e: _valid(e['break_even']))
     if cached is not None:
       return float(cached['break_even'])
 
   def timed(k: int) -> float:
-    return engine.seconds_per_step(prompts, lengths, kind=k, steps=steps, overhead=overhead)
+    return engine.seconds_per_step(prompts, lengths, kind=k, steps=steps, overhead=overhead,
+                                   sampled=sampled)
 
   overhead = 0.0
   timed(kind), timed(0)  # Compiles (decoding then reuses it) and warms up.

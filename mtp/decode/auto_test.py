@@ -216,6 +216,38 @@ def test_each_kind_stops_paying_on_its_own_per_row():
   assert np.asarray(state.pays).tolist() == [[True, True], [True, False]]
 
 
+def test_sampled_rows_are_judged_on_their_own_break_even():
+  """A sampled row's drafting step costs more (top-p sorts every node's distribution): the same
+  3 tokens a step pay for a greedy row at break-even 2.2 and not for a sampled one at 3.4."""
+  policy = auto.AutoPolicy(num_kinds=1, least_probe=(1,))
+  costs = jnp.asarray([[2.2], [3.4]])  # Greedy rows', sampled rows'.
+  greedy = jnp.asarray([True, False])
+  rows = policy.row_costs(costs, greedy)
+  np.testing.assert_allclose(rows, [[2.2], [3.4]])
+  state = policy.start(rows, jnp.asarray([100_000, 100_000]))
+  steps = jnp.ones((2,), jnp.int32)
+  for _ in range(int(state.probe.max()) + 1):
+    state = policy.observe(state, rows, jnp.asarray([1, 1]), jnp.asarray([3, 3]), steps)
+  assert np.asarray(state.pays).tolist() == [[True], [False]]
+
+
+def test_plans_measure_sampled_rows_break_even_unless_greedy_only(model, prompts, monkeypatch,
+                                                                   tmp_path):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  measured = []
+
+  def fake(engine, prompts, lengths, kind, *, sampled=False, **kwargs):
+    measured.append((kind, sampled))
+    return 2.0 + sampled
+  monkeypatch.setattr(auto, 'break_even', fake)
+  engine = plan_lib.resolve(model, 'auto', max_new_tokens=8, lookup=0)
+  assert measured == [(1, False), (1, True)]
+  assert np.asarray(engine.data.costs).tolist() == [[2.0], [3.0]]
+  measured.clear()
+  engine = plan_lib.resolve(model, 'auto', max_new_tokens=8, lookup=0, greedy_only=True)
+  assert measured == [(1, False)] and np.asarray(engine.data.costs).tolist() == [[2.0], [2.0]]
+
+
 def test_a_kind_predicted_below_its_break_even_starts_stopped(tiny_workdir):
   policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
   costs, budgets = jnp.asarray([1.5, 1.5]), jnp.asarray([1000])
@@ -304,7 +336,7 @@ def test_break_even_is_measured_once_then_read_from_the_cache(model, prompts, tm
   one_token = iter([0.002, 0.002, 0.006, 0.002, 0.002, 0.002] * 4)
   call = 0.016
 
-  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0):
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False):
     calls.append(kind)
     return ((0.003 if kind else next(one_token)) * steps + call - overhead) / steps
 
@@ -335,7 +367,7 @@ def test_steps_cheaper_than_a_calls_noise_are_timed_with_it(model, prompts, tmp_
   taking the overhead off leaves nothing: the ratio of whole runs is read instead."""
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
 
-  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0):
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False):
     return max((0.0003 if kind else 0.0001) * steps + 0.010 - overhead, 0.0) / steps
 
   monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', per_step)
@@ -358,8 +390,8 @@ def test_resolving_auto_measures_each_kind(model, prompts, tmp_path, monkeypatch
   engine = plan.resolve(model, 'auto', max_new_tokens=12, tree=2, lookup=4,
                         calibration=(prompts, PROMPT_LENGTHS))
   costs = np.asarray(engine.data.costs)
-  assert costs.shape == (2,) and np.all(costs > 0)
-  assert len(measurements.read_table('break_even.json')) == 2
+  assert costs.shape == (2, 2) and np.all(costs > 0)  # Greedy rows' and sampled rows'.
+  assert len(measurements.read_table('break_even.json')) == 4
   rows = engine.settings([settings_lib.Sampling(max_tokens=12)] * 3)
   out = engine.generate(prompts, PROMPT_LENGTHS, rows)
   np.testing.assert_array_equal(out.tokens, _reference(model, prompts, 12).tokens)

@@ -232,7 +232,7 @@ def prefill(model, data, plan, prompts: Array, lengths: Array, active: Array,
   states = tuple(d.start(prefilled, data.drafters[i]) for i, d in enumerate(plan.drafters))
   return empty.replace(tokens=tokens, logprobs=logprobs, num_generated=num_generated,
                        reason=reason, drafters=states, policy=() if plan.policy is None else
-                       plan.policy.start(data.costs, settings.max_tokens, data.expected))
+                       plan.policy.start_rows(data, settings))
 
 
 # ---- The steps. -------------------------------------------------------------------------
@@ -341,8 +341,7 @@ def run(model, data, plan, state: LoopState, max_steps: Array) -> LoopState:
   kinds = plan.num_kinds
 
   def cond(carry):
-    i, s = carry
-    return (i < max_steps) & jnp.any(s.reason == RUNNING)
+    return (carry[0] < max_steps) & jnp.any(carry[1].reason == RUNNING)
 
   def body(carry):
     i, s = carry
@@ -354,11 +353,12 @@ def run(model, data, plan, state: LoopState, max_steps: Array) -> LoopState:
     rows = (s.policy, drafters_lib.ready_rows(plan.drafters, s.drafters), active,
             s.settings.temperature == 0, s.settings.max_tokens - s.num_generated, data.force)
     kind, row_kind = plan.policy.choose(*rows)
-    quiet = jnp.minimum(plan.policy.quiet_steps(*rows, data.costs), max_steps - i)
+    costs = plan.policy.row_costs(data.costs, rows[3])  # [B, K]: greedy or sampled rows'.
+    quiet = jnp.minimum(plan.policy.quiet_steps(*rows, costs), max_steps - i)
     branches = [functools.partial(_one_token_step, *step_args)] + [
         functools.partial(_drafting_step, *step_args, kind=k) for k in range(1, kinds + 1)]
     new, passes = _run_kind(kind, quiet, branches, s, row_kind)
-    policy = plan.policy.observe(s.policy, data.costs, jnp.where(kind > 0, row_kind, 0),
+    policy = plan.policy.observe(s.policy, costs, jnp.where(kind > 0, row_kind, 0),
                                  new.num_generated - s.num_generated, new.num_steps - s.num_steps,
                                  drafters_lib.evidence_rows(plan.drafters, new.drafters))
     return i + passes, new.replace(policy=policy)

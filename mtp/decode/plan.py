@@ -62,7 +62,8 @@ class PlanData:
   Attributes:
     drafters: one entry per drafter (its data; the draft vocabulary's ids for a heads drafter
       with one).
-    costs: [K] the `auto` policy's break-even of each kind of drafting step ([0] without one).
+    costs: [2, K] the `auto` policy's break-even of each kind of drafting step, for greedy
+      rows (row 0) and sampled rows (row 1) ([2, 0] without a policy).
     force: [] a kind of step to run every step (-1: the policy's choice; measurements).
     hook: the plan's draft hook's data (tests), or None.
     expected: [K] each kind's tokens per step predicted from measured accuracies (inf where
@@ -459,7 +460,8 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
     calibration: (prompts [B, P], lengths [B]) to time the `auto` policy's break-evens on
       (None: random prompts of `prompt_width` tokens).
     break_even: the `auto` policy's break-even of each kind of drafting step, if known (tests,
-      experiments); None: measured (`auto.break_even`, cached).
+      experiments): [K] for every row, or [2, K] for greedy rows and sampled rows; None:
+      measured (`auto.break_even`, cached; sampled rows' too unless greedy_only).
 
   Returns:
     An `engine.Engine`.
@@ -523,7 +525,7 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
       greedy_only=bool(greedy_only), vocab_limit=vocab_limit, banned_ids=tuple(banned),
       max_stop_ids=_check_int('max_stop_ids', max_stop_ids, 1), logprobs=logprobs,
       row_mapped=bool(exact), mesh=mesh, draft_hook=draft_hook)
-  plan_data = PlanData(drafters=data, costs=jnp.zeros((len(built),), jnp.float32),
+  plan_data = PlanData(drafters=data, costs=jnp.zeros((2, len(built)), jnp.float32),
                        force=jnp.int32(-1), hook=hook_data,
                        expected=jnp.full((len(built),), jnp.inf, jnp.float32))
   engine = engine_lib.Engine(source, plan, plan_data)
@@ -531,9 +533,12 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
     if break_even is None:
       prompts, lengths = calibration if calibration is not None else _random_prompts(
           trunk.vocab_size, batch_size, min(prompt_width, trunk.max_seq_len - max_new_tokens))
-      break_even = [auto.break_even(engine, prompts, lengths, kind)
-                    for kind in range(1, len(built) + 1)]
-    costs = np.broadcast_to(np.asarray(break_even, np.float32), (len(built),))
+      kinds = range(1, len(built) + 1)
+      greedy = [auto.break_even(engine, prompts, lengths, kind) for kind in kinds]
+      # Greedy-only plans never hold a sampled row.
+      break_even = [greedy, greedy if greedy_only else [
+          auto.break_even(engine, prompts, lengths, kind, sampled=True) for kind in kinds]]
+    costs = np.broadcast_to(np.asarray(break_even, np.float32), (2, len(built)))
     if not np.all(np.isfinite(costs) & (costs >= 0)):
       raise ValueError(f'break_even must be finite numbers >= 0, got {break_even!r}')
     engine = engine.with_data(costs=jnp.asarray(costs), expected=jnp.asarray(
