@@ -21,7 +21,11 @@ for it and whose newest drafter is `ready` (prompt lookup: its key matched at le
 
 A step is one kind for the whole batch (one compiled block), and a batch runs until its last
 row is done, so the kind is the one wanted by the row with the most tokens left to make; every
-greedy row verifies that step's drafts (free for it, and exact). A sampled row verifies only
+greedy row verifies that step's drafts (free for it, and exact). A server's batch never ends
+(rows leave and others join: `AutoPolicy.throughput`): there that row's kind runs only where
+the batch's tokens per unit of cost, each row's from its own account, are at least those of the
+smallest step the sampled rows allow; else sampled rows that do not verify its drafts paid for
+its block (the demo model's server, mixed settings: `auto` at 0.46x plain decoding). A sampled row verifies only
 the drafts of the kind it wants itself, and a step is never smaller than what a sampled row
 wants: which tokens a sampled row draws then depends on its own account alone, not on its
 neighbours (`settings`). Rows joining a running batch start their own account.
@@ -108,6 +112,24 @@ def _deciding(active: Array, greedy: Array, remaining: Array) -> Array:
   return active & (~greedy | (jnp.arange(active.shape[0]) == first) & greedy)
 
 
+def _batch_value(state: State, costs: Array, active: Array, greedy: Array, wants: Array,
+                 kind: Array) -> Array:
+  """[] the batch's expected tokens per unit of cost in a step of `kind`: each active row's
+  tokens per step of the kind it would verify (its own account; its break-even where it has
+  none, which makes a row without data neutral), over what the block costs the rows (a
+  sampled row that verifies less still runs the whole block)."""
+  row_kind = jnp.where(greedy, kind, jnp.minimum(wants, kind))
+  column = jnp.maximum(row_kind - 1, 0)[:, None]
+  steps = jnp.take_along_axis(state.steps, column, axis=1)[:, 0].astype(jnp.float32)
+  tokens = jnp.take_along_axis(state.tokens, column, axis=1)[:, 0].astype(jnp.float32)
+  neutral = jnp.take_along_axis(costs, column, axis=1)[:, 0]
+  rate = jnp.where(row_kind > 0, jnp.where(steps > 0, tokens / jnp.maximum(steps, 1), neutral),
+                   1.0)
+  cost = jnp.where(kind > 0, costs[:, jnp.maximum(kind - 1, 0)], 1.0)
+  return jnp.sum(jnp.where(active, rate, 0)) / jnp.maximum(jnp.sum(jnp.where(active, cost, 0)),
+                                                          1e-6)
+
+
 @dataclasses.dataclass(frozen=True)
 class AutoPolicy:
   """The policy of a plan with `num_kinds` kinds of drafting step.
@@ -115,11 +137,15 @@ class AutoPolicy:
   least_probe: per kind, the fewest probe steps it is judged on (see `probe_steps`).
   budget: what every kind's probes and retries together may lose (see the module's docstring).
   evidence_kinds: per kind, whether its newest drafter gives evidence (`Drafter.evidence`).
+  throughput: choose each step for the batch's tokens per unit of cost (continuous batching,
+    where every row's progress counts) rather than for the row with the most tokens left (a
+    batch decoded to its end, whose time that row sets).
   """
   num_kinds: int
   least_probe: tuple[int, ...]
   budget: float = FALLBACK_BUDGET
   evidence_kinds: tuple[bool, ...] = ()
+  throughput: bool = False
 
   @property
   def share(self) -> float:
@@ -150,7 +176,8 @@ class AutoPolicy:
                  evidence=jnp.full((b, self.num_kinds), jnp.nan, jnp.float32))
 
   def choose(self, state: State, ready: Array, active: Array, greedy: Array,
-             remaining: Array, force: Array) -> tuple[Array, Array]:
+             remaining: Array, force: Array, costs: Array | None = None
+             ) -> tuple[Array, Array]:
     """The step's kind and each row's.
 
     Args:
@@ -160,6 +187,7 @@ class AutoPolicy:
       greedy: [B] greedy rows.
       remaining: [B] tokens each row still may make.
       force: [] a kind to run whatever the accounts say (-1: none; measurements).
+      costs: [B, K] the rows' break-evens (`row_costs`; needed under `throughput`).
 
     Returns:
       (kind [] in 0..K, row_kind [B]: the kind whose drafts each row verifies).
@@ -168,6 +196,11 @@ class AutoPolicy:
     wants = jnp.max(jnp.where(state.pays & ready, kinds, 0), axis=1)  # [B]
     deciding = _deciding(active, greedy, remaining)
     kind = jnp.max(jnp.where(deciding, wants, 0))
+    if self.throughput:
+      # The smallest step the sampled rows allow, unless the decider's pays for the batch.
+      floor = jnp.max(jnp.where(active & ~greedy, wants, 0))
+      value = lambda k: _batch_value(state, costs, active, greedy, wants, k)  # noqa: E731
+      kind = jnp.where(value(kind) >= value(floor), kind, floor)
     kind = jnp.where(force >= 0, force, kind)
     row_kind = jnp.where(greedy | (force >= 0), kind, jnp.minimum(wants, kind))
     return kind.astype(jnp.int32), row_kind.astype(jnp.int32)

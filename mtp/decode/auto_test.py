@@ -205,6 +205,33 @@ def test_the_step_kind_comes_from_the_rows_accounts():
   assert int(kind) == 0 and np.asarray(row_kind).tolist() == [0, 0, 0]  # Forced: measuring.
 
 
+def test_a_servers_batch_drafts_only_where_the_batch_gains():
+  """Under `throughput` (continuous batching) the deciding greedy row's kind runs only where the
+  batch's tokens per unit of cost beat the smallest step the sampled rows allow."""
+  policy = auto.AutoPolicy(num_kinds=1, least_probe=(1,), throughput=True)
+  offline = dataclasses.replace(policy, throughput=False)
+  everyone = jnp.ones((3,), bool)
+  ready = jnp.ones((3, 1), bool)
+  remaining = jnp.asarray([50, 10, 10])
+  costs = jnp.asarray([[2.0], [2.5], [2.5]])
+  state = policy.start(costs, jnp.asarray([1024] * 3))
+  # Row 0's heads pay for it (3 tokens a step against 2.0); rows 1 and 2 want none.
+  state = state.replace(pays=jnp.asarray([[True], [False], [False]]),
+                        tokens=jnp.asarray([[6], [0], [0]]), steps=jnp.asarray([[2], [0], [0]]))
+  args = (state, ready, everyone)
+  mixed = jnp.asarray([True, False, False])
+  # Sampled rows 1 and 2 would pay the block for nothing: (3 + 1 + 1) / 7 < 3 / 3.
+  assert int(policy.choose(*args, mixed, remaining, jnp.int32(-1), costs)[0]) == 0
+  assert int(offline.choose(*args, mixed, remaining, jnp.int32(-1), costs)[0]) == 1
+  # Greedy rows without an account of their own are neutral: (3 + 2.5 + 2.5) / 7 >= 1.
+  greedy = jnp.ones((3,), bool)
+  assert int(policy.choose(*args, greedy, remaining, jnp.int32(-1), costs)[0]) == 1
+  # A sampled row that wants the block sets the floor, whatever the batch gains.
+  wanting = state.replace(pays=jnp.asarray([[False], [True], [False]]))
+  kind, row_kind = policy.choose(wanting, ready, everyone, mixed, remaining, jnp.int32(-1), costs)
+  assert int(kind) == 1 and np.asarray(row_kind).tolist() == [1, 1, 0]
+
+
 def test_each_kind_stops_paying_on_its_own_per_row():
   policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
   costs = jnp.asarray([2.0, 4.0])

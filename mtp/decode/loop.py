@@ -352,8 +352,8 @@ def run(model, data, plan, state: LoopState, max_steps: Array) -> LoopState:
     active = s.reason == RUNNING
     rows = (s.policy, drafters_lib.ready_rows(plan.drafters, s.drafters), active,
             s.settings.temperature == 0, s.settings.max_tokens - s.num_generated, data.force)
-    kind, row_kind = plan.policy.choose(*rows)
     costs = plan.policy.row_costs(data.costs, rows[3])  # [B, K]: greedy or sampled rows'.
+    kind, row_kind = plan.policy.choose(*rows, costs)
     quiet = jnp.minimum(plan.policy.quiet_steps(*rows, costs), max_steps - i)
     branches = [functools.partial(_one_token_step, *step_args)] + [
         functools.partial(_drafting_step, *step_args, kind=k) for k in range(1, kinds + 1)]

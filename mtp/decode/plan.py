@@ -428,7 +428,8 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
             prompt_width: int = loop.PREFILL_CHUNK, batch_size: int = 1, tree=None,
             tree_budget: int | None = None, lookup: int | None = None,
             draft_vocab: int | None = None, drafters: Sequence[str] | None = None,
-            greedy_only: bool = False, exact: bool = False, logprobs: int = -1,
+            greedy_only: bool = False, exact: bool = False, continuous: bool = False,
+            logprobs: int = -1,
             max_stop_ids: int = 1, capacity: int | None = None, mesh=None,
             draft_hook: DraftHook | None = None, hook_data=None, emittable_ids=None,
             calibration=None, break_even: Sequence[float] | None = None):
@@ -450,6 +451,8 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
     drafters: names of `DRAFTERS` to mix, in order (None: the decoder's).
     greedy_only: every row will decode greedily (the sampler is not compiled).
     exact: map rows one by one (`DecodePlan.row_mapped`).
+    continuous: rows join and leave a batch that never ends (a server): `auto` chooses each
+      step for the batch's throughput (`AutoPolicy.throughput`).
     logprobs: top log-probabilities kept per token (-1: none; at most `MAX_LOGPROBS`).
     max_stop_ids: stop ids a row may have.
     capacity: KV slots per row (None: just enough for prompt_width and max_new_tokens).
@@ -519,7 +522,7 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
   if spec.adaptive and built:
     policy = auto.AutoPolicy(num_kinds=len(built), least_probe=tuple(
         auto.ALL_OR_NOTHING_LEAST_PROBE if d.all_or_nothing else 1 for d in built),
-        evidence_kinds=tuple(d.has_evidence for d in built))
+        evidence_kinds=tuple(d.has_evidence for d in built), throughput=bool(continuous))
   plan = DecodePlan(
       max_new_tokens=max_new_tokens, capacity=capacity, drafters=built, policy=policy,
       greedy_only=bool(greedy_only), vocab_limit=vocab_limit, banned_ids=tuple(banned),

@@ -209,7 +209,7 @@ class Batcher:
     return plan_lib.resolve(
         self.loaded, decoder, max_new_tokens=self.max_tokens, prompt_width=self.prompt_width,
         # Exact rows decode as batches of one: trees sized for that.
-        batch_size=1 if self.exact else self.max_batch, exact=self.exact,
+        batch_size=1 if self.exact else self.max_batch, exact=self.exact, continuous=True,
         logprobs=self.max_logprobs, calibration=calibration, break_even=break_even,
         **(self._options if decoders_lib.get(decoder).drafts else {}))
 
