@@ -5,7 +5,8 @@ Exit codes (README.md, "Exit codes"):
   1    error: config, data, checkpoint, workdir lock, weights (one line names the problem)
   2    usage: an unknown flag or config key, an unreadable config file
   3    training diverged: a non-finite loss or gradient norm (the last good checkpoints stay)
-  143  preempted (SIGTERM, 128 + 15): a checkpoint was saved; the same command resumes
+  143  preempted (SIGTERM, 128 + 15; SLURM's SIGUSR1 too): a checkpoint was saved; the same
+       command resumes
 
 The traceback is printed too with `--verbosity=1` (or higher) or the environment variable
 `MTP_TRACEBACK=1`.

@@ -9,7 +9,9 @@ the cluster's auto-detection by passing --num_processes=-1).
 
 It fails with one line on stderr (the traceback too with --verbosity=1 or MTP_TRACEBACK=1) and
 exit code 1 for errors, 2 for bad flags or config keys, 3 when training diverged and 143 when
-preempted by SIGTERM (after saving a checkpoint): see launch/cli.py.
+preempted by SIGTERM or SIGUSR1 (after saving a checkpoint): see launch/cli.py. In a multi-host
+run, a signal to any one process makes every process save the same step and exit with 143
+(JAX's preemption service: mtp/train/preemption.py).
 """
 
 from absl import app

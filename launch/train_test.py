@@ -1,4 +1,5 @@
-"""launch.train's failures: one line and an exit code per kind (launch/cli.py), preemption too."""
+"""launch.train's failures: one line and an exit code per kind (launch/cli.py), preemption (SIGTERM,
+SIGUSR1) too."""
 
 import os
 import pathlib
@@ -92,7 +93,8 @@ def test_unknown_config_key_is_a_usage_error(tmp_path):
   assert 'Traceback' not in err and not (tmp_path / 'w').exists()
 
 
-def test_sigterm_saves_then_exits_with_the_preemption_code(tmp_path):
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_stop_signal_saves_then_exits_with_the_preemption_code(tmp_path, signum):
   workdir = tmp_path / 'w'
   proc = _launch(workdir, '--config.num_train_steps=100000', '--config.log_every_steps=1',
                  '--config.eval_steps=0')
@@ -101,11 +103,11 @@ def test_sigterm_saves_then_exits_with_the_preemption_code(tmp_path):
   while not (metrics.exists() and metrics.read_text().strip()):
     assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
     time.sleep(0.2)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(signum)
   _, err = proc.communicate(timeout=300)
   assert proc.returncode == cli.PREEMPTED, err[-3000:]
   assert 'Final metrics' not in err
-  assert 'launch.train: preempted (SIGTERM): saved a checkpoint at step' in err
+  assert f'launch.train: preempted ({signum.name}): saved a checkpoint at step' in err
   assert checkpointing.Checkpointer(workdir, read_only=True).all_steps()
   assert not (tmp_path / 'w.lock').exists()
 

@@ -175,6 +175,17 @@ def base_reference(workdir: str | os.PathLike) -> epath.Path | None:
       f'relative to {workdir}.')
 
 
+class _Manager(ocp.CheckpointManager):
+  """Orbax's manager, which leaves JAX's preemption sync point to the training loop
+  (mtp/train/preemption.py). Orbax would ask it too, with the step it saves, in `save` and
+  again from its finalize thread while the loop has moved on: that sets a process's call counter
+  off the loop's, and the processes could disagree on the step to stop at."""
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
+
+
 class Checkpointer:
   """Saves and restores train state plus data iterator under `workdir/checkpoints`."""
 
@@ -184,7 +195,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._manager = _Manager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()

@@ -1,9 +1,10 @@
 """The training loop: `train_and_evaluate` runs the jitted steps of `step.Trainer` over the data,
-logs metrics, evaluates, and checkpoints (also on SIGTERM).
+logs metrics, evaluates, and checkpoints (also on SIGTERM or SIGUSR1, at the same step on
+every process of a multi-process run).
 
 Its parts live beside it: `config_checks` (the config and the workdir it resumes),
 `workdir_tokenizer`, `init` (fresh, resumed or init_from state), `distill` (self-distillation
-caches), `step` (the jitted steps and the batch type), `preemption` (SIGTERM) and
+caches), `step` (the jitted steps and the batch type), `preemption` (stop signals) and
 `divergence` (non-finite losses). The workdir is locked for the run (`workdir_lock`).
 """
 
@@ -75,8 +76,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     checkpointing.CheckpointError: an unreadable checkpoint (left untouched).
     divergence.DivergenceError: a non-finite loss or gradient norm (more than
       `max_bad_steps` times); nothing is saved after the last good checkpoint.
-    preemption.Preempted: SIGTERM, after saving a checkpoint.
+    preemption.Preempted: SIGTERM or SIGUSR1 (to any process of a multi-process run), after
+      saving a checkpoint.
   """
+  preemption.begin()  # Several processes: agree on stop signals from here on, setup included.
   workdir = paths.as_path(workdir)  # Local, or on an object store (gs://...).
   validate_config(config, jax.device_count())
   profiling.parse_profile_steps(config.get('profile_steps', ''))  # A bad value fails here.
@@ -207,7 +210,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   guard = divergence.Guard(config.get('max_bad_steps', 0))
   preempted_at = None
   try:
-    with preemption.StopRequest() as stop:
+    with preemption.StopRequest(start_step) as stop:
       for step in range(start_step + 1, last_step + 1):
         phase = phase_of(step)
         if phase is not phase_of(step - 1) and interval is not None:
@@ -241,18 +244,19 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
           last_metrics.update(eval_metrics)
           interval.start_time += time.perf_counter() - eval_start  # Not training time.
         writer.advance()
-        if (step % config.checkpoint_every_steps == 0 or step == last_step or stop.requested):
+        stopping = stop.at(step)  # Every step, on every process (the agreed stop step).
+        if step % config.checkpoint_every_steps == 0 or step == last_step or stopping:
           guard.check()  # Never save a diverged state (nor rotate good checkpoints out for it).
           checkpointer.save(step, init.saved_params(config, state.params), state.opt_state,
                             phase.iterator, force=True)
-        if stop.requested:
+        if stopping:
           if step < config.num_train_steps:  # Else it finished all the same.
-            preempted_at = step
+            preempted_at, reason = step, stop.reason
           break
   finally:
     profiler.close()
     checkpointer.close()
     writer.close()
   if preempted_at is not None:
-    raise preemption.Preempted(preempted_at)
+    raise preemption.Preempted(preempted_at, reason)
   return last_metrics
