@@ -24,6 +24,8 @@ import launch
 from launch import cli
 from mtp.decode import trees  # No JAX: the tree names and their parser.
 
+PROGRAM = 'launch.demo'
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/code_small.py', 'Training config file.')
 flags.DEFINE_string('workdir', 'workdirs/code_small', 'Training workdir (reused if trained).')
@@ -143,11 +145,15 @@ def main(argv):
   workdir = pathlib.Path(FLAGS.workdir)
   print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads jointly '
         f'with the trunk on the standard library ({config.num_train_steps} steps) in {workdir}')
+  from mtp.train import divergence
   from mtp.train import preemption
   try:
-    trainer.train_and_evaluate(config, workdir)
+    with cli.UserErrors(PROGRAM):  # One line and the launchers' codes, as launch.train.
+      trainer.train_and_evaluate(config, workdir)
   except preemption.Preempted as e:  # Saved: the same command resumes.
-    cli.fail('launch.demo', e, cli.PREEMPTED)
+    cli.fail(PROGRAM, e, cli.PREEMPTED)
+  except divergence.DivergenceError as e:
+    cli.fail(PROGRAM, e, cli.DIVERGED)
   records = writers.read_metrics(workdir)
   num_heads = config.model.mtp_num_heads
   print_learning_curve(records, num_heads)
@@ -173,4 +179,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(PROGRAM))

@@ -7,6 +7,17 @@ import subprocess
 import sys
 import tempfile
 
+from absl import flags
+from absl.testing import flagsaver
+import pytest
+
+from launch import cli
+from launch import demo
+from mtp.checkpoint import workdir_lock
+from mtp.train import divergence
+from mtp.train import preemption
+from mtp.train import trainer
+
 
 def test_the_demo_runs_end_to_end_on_a_tiny_config(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
@@ -25,3 +36,27 @@ def test_the_demo_runs_end_to_end_on_a_tiny_config(tmp_path):
     assert re.search(rf'{decoder} .* outputs matched: yes \(2/2 prompts\)', run.stdout), (
         run.stdout[-2000:])
   assert (tmp_path / 'wd' / 'learning_curve.png').stat().st_size > 0
+
+
+@pytest.mark.parametrize('error,code', [
+    (preemption.Preempted(4), cli.PREEMPTED),
+    (divergence.DivergenceError('Training diverged at step 7 (loss nan)', 7), cli.DIVERGED),
+    (workdir_lock.WorkdirLockedError('/w is in use by pid 7 on h (lock /w.lock)'), cli.ERROR),
+    (ValueError('keep_checkpoints must be at least 1, got 0'), cli.ERROR),
+])
+@flagsaver.flagsaver
+def test_a_failed_training_is_one_line_and_the_launchers_exit_code(tmp_path, monkeypatch, capsys,
+                                                                   error, code):
+  def fails(config, workdir):
+    raise error
+  monkeypatch.setattr(trainer, 'train_and_evaluate', fails)
+  monkeypatch.delenv('MTP_TRACEBACK', raising=False)
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(['demo', '--config=configs/tiny.py', f'--workdir={tmp_path}'])
+  with pytest.raises(SystemExit) as e:
+    demo.main(['demo'])
+  line = f'launch.demo: {error}'
+  if code == cli.ERROR:
+    assert e.value.code == line
+  else:
+    assert e.value.code == code and capsys.readouterr().err.strip() == line
