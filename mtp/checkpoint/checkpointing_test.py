@@ -204,7 +204,8 @@ def test_a_truncated_checkpoint_is_named_in_one_short_line(tiny_workdir, tmp_pat
   with pytest.raises(checkpointing.CheckpointError) as e:
     mtp.load(workdir, step=4)  # A step asked for: no other step will do.
   message = str(e.value)
-  assert '\n' not in message and len(message) < 600, message  # Not TensorStore's 2 KB spec.
+  # Not TensorStore's 2 KB spec: short but for the paths it names (long under xdist's tmp).
+  assert '\n' not in message and len(message.replace(str(tmp_path), 'T')) < 450, message
   assert f'Checkpoint {step_dir} could not be restored' in message
   assert 'OUT_OF_RANGE' in message and 'TensorStore(' not in message
   # Training would resume it: the line says which step it can resume from instead, and how.
