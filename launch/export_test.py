@@ -113,3 +113,17 @@ def test_an_output_under_a_file_is_named_in_one_line(workdir, tmp_path, monkeypa
                      f'{tmp_path}/somefile is a file, not a directory'), message
   assert (tmp_path / 'somefile').read_text() == 'keep me'
   assert sorted(p.name for p in tmp_path.iterdir()) == ['somefile']
+
+
+@pytest.mark.parametrize('flag', ['output', 'workdir'])
+@flagsaver.flagsaver
+def test_a_url_is_refused_by_name_not_folded_into_a_local_path(workdir, tmp_path, monkeypatch,
+                                                               flag):
+  monkeypatch.delenv('MTP_TRACEBACK', raising=False)
+  monkeypatch.chdir(tmp_path)  # pathlib would fold gs://b/x into ./gs:/b/x here.
+  argv = {'workdir': str(workdir), 'output': 'out', flag: 'gs://b/x'}
+  with pytest.raises(SystemExit) as exit_info:
+    _run(['--format=params', *(f'--{k}={v}' for k, v in argv.items())])
+  assert exit_info.value.code == (f'launch.export: --{flag}=gs://b/x: gs:// paths are not '
+                                  'supported here yet; use a local path'), exit_info.value.code
+  assert not list(tmp_path.iterdir())  # No gs: directory, no out.

@@ -34,6 +34,7 @@ from absl import logging
 
 import launch
 from launch import cli
+from mtp.checkpoint import paths
 from mtp.decode import trees
 from mtp.decode import decoders
 
@@ -88,6 +89,7 @@ def read_prompt_file(path: str | pathlib.Path) -> list[str]:
   are JSON escapes, kept).
   """
   prompts = []
+  path = paths.local_path(path, '--prompt_file')  # Local only: a URL is refused by name.
   with open(path, 'rb') as f:
     for number, raw in enumerate(f, 1):
       if number == 1:
@@ -121,7 +123,7 @@ class OutputFile:
   """
 
   def __init__(self, path: str | pathlib.Path):
-    self.path = pathlib.Path(path)
+    self.path = paths.local_path(path, '--output')  # Local only: a URL is refused by name.
     if self.path.is_dir():
       raise ValueError(f'--output {self.path} is a directory; give a file path')
     self.path.parent.mkdir(parents=True, exist_ok=True)

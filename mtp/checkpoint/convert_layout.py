@@ -19,6 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import paths
 from mtp.checkpoint import workdir_lock
 from mtp.model import layout
 
@@ -39,10 +40,13 @@ def convert_workdir(workdir: str | os.PathLike, output: str | os.PathLike,
 
   Raises:
     checkpointing.CheckpointError: no workdir, or no checkpoint in it.
-    ValueError: `output` exists, or the workdir is in that layout already.
+    ValueError: `output` exists, the workdir is in that layout already, or either is a URL
+      (`gs://...`: local paths only).
     workdir_lock.WorkdirLockedError: another process writes `output`.
   """
-  workdir, output = pathlib.Path(workdir), pathlib.Path(output)
+  # Local files only, for now: a URL is refused by name, never folded into a local path.
+  workdir = paths.local_path(workdir, '--workdir')
+  output = paths.local_path(output, '--output')
   config = checkpointing.load_config(workdir)
   if bool(config.model.get('scan_layers', False)) == scan_layers:
     raise ValueError(f'{workdir} is {layout.layout_name(scan_layers)} already '

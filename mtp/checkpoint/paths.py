@@ -9,13 +9,40 @@ when TensorFlow is installed, else through fsspec (`pip install gcsfs`).
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 
 from etils import epath
+
+# A URL's scheme (`gs://`, `s3://`, `http://`): RFC 3986's letters, digits, `+`, `-` and `.`.
+_SCHEME = re.compile(r'^([a-zA-Z][a-zA-Z0-9+.-]*)://')
 
 
 def is_url(path: str | os.PathLike) -> bool:
   """A path on an object store (`gs://`, `s3://`, ...), not on a local file system."""
   return '://' in os.fspath(path)
+
+
+def local_path(path: str | os.PathLike, what: str) -> pathlib.Path:
+  """`path` as a pathlib.Path, for a component that reads or writes only local files.
+
+  pathlib folds `gs://b/x` into the local `gs:/b/x`; a URL is refused here instead, before
+  anything is read or written.
+
+  Args:
+    path: the path as the user gave it.
+    what: the flag or config key it came from (`--output`, `config.data.source`), named in
+      the error.
+
+  Raises:
+    ValueError: `path` has a URL scheme (`gs://`, `s3://`, ...); the message names `what`,
+      the path and the scheme.
+  """
+  match = _SCHEME.match(os.fspath(path))
+  if match:
+    raise ValueError(f'{what}={os.fspath(path)}: {match.group(1)}:// paths are not supported '
+                     'here yet; use a local path')
+  return pathlib.Path(path)
 
 
 def as_path(path: str | os.PathLike) -> epath.Path:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from mtp.checkpoint import paths
 from mtp.checkpoint import workdir_lock
 from mtp.data import corpora
 from mtp.data import shards
@@ -74,9 +75,14 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
 
   Raises:
     PrepareError, sources.SourceError: bad arguments, before anything is written.
+    ValueError: `source`, `output` or `tokenizer` is a URL (`gs://...`): local paths only.
     workdir_lock.WorkdirLockedError: another run writes `output`.
   """
-  output = pathlib.Path(output).expanduser().absolute()
+  # Local files only, for now: a URL is refused by name, never folded into a local path.
+  paths.local_path(source, '--source')
+  if tokenizer not in ('byte', 'bpe'):
+    paths.local_path(tokenizer, '--tokenizer')
+  output = paths.local_path(output, '--output').expanduser().absolute()
   if output.exists() and not overwrite:
     raise PrepareError(f'{output} already exists: choose another --output or pass --overwrite.')
   if not 0.0 <= valid_fraction < 1.0:

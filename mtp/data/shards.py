@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from mtp.checkpoint import paths
 from mtp.data import tokenizer as tokenizer_lib
 
 MANIFEST_FILENAME = 'manifest.json'
@@ -162,13 +163,20 @@ class Dataset:
                        int(self.manifest['record_tokens']))
 
 
-def open_dataset(directory: str | pathlib.Path) -> Dataset:
+def open_dataset(directory: str | pathlib.Path, what: str = 'config.data.source') -> Dataset:
   """Reads and checks `directory/manifest.json` and that every shard it lists is there.
 
+  Args:
+    directory: the dataset directory; local only (a URL is refused).
+    what: the flag or config key `directory` came from, named when it is a URL.
+
   Raises:
-    DatasetError: naming the missing or malformed path.
+    DatasetError: naming the missing or malformed path, or `what` for a URL (`gs://...`).
   """
-  directory = pathlib.Path(directory).expanduser()
+  try:
+    directory = paths.local_path(directory, what).expanduser()
+  except ValueError as e:
+    raise DatasetError(str(e)) from None
   if not directory.is_dir():
     raise DatasetError(f'Dataset directory {directory} does not exist (make one with '
                        'python -m launch.prepare_data --output=...).')

@@ -65,6 +65,16 @@ def test_a_reader_pickles_without_open_files(tmp_path):
   np.testing.assert_array_equal(np.concatenate(copy.pieces(3, 50)), np.concatenate(want))
 
 
+def test_a_url_is_refused_by_name_not_folded_into_a_local_path(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(shards.DatasetError, match=r'^config\.data\.source=gs://b/tokens: gs:// '
+                                                'paths are not supported here yet'):
+    shards.open_dataset('gs://b/tokens')
+  with pytest.raises(shards.DatasetError, match=r'^--data=s3://b/t: s3://'):
+    shards.open_dataset('s3://b/t', what='--data')
+  assert not list(tmp_path.iterdir())
+
+
 def test_bad_dataset_directories_are_named(tmp_path):
   with pytest.raises(shards.DatasetError, match='does not exist'):
     shards.open_dataset(tmp_path / 'missing')

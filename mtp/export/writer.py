@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from mtp.checkpoint import paths
 from mtp.export import ExportError
 from mtp.export import manifest as manifest_lib
 
@@ -91,14 +92,17 @@ def export(workdir: str | os.PathLike, format: str, output: str | os.PathLike, *
 
   Raises:
     ExportError: an unknown format, an unsupported dtype or option, a workdir without a
-      checkpoint, an existing output; nothing is written then.
+      checkpoint, an existing output, a URL (`gs://...`) for `workdir` or `output`; nothing
+      is written then.
     checkpointing.CheckpointError: the checkpoint is unreadable (the message names it).
     workdir_lock.WorkdirLockedError: another export writes `output`.
   """
   start = time.perf_counter()
   fmt = get_format(format)
   np_dtype = _checked_dtype(fmt, dtype)
-  workdir, output = pathlib.Path(workdir), pathlib.Path(output)
+  # Local files only, for now: a URL is refused by name, never folded into a local path.
+  workdir = paths.local_path(workdir, '--workdir')
+  output = paths.local_path(output, '--output')
   module = _module(fmt)
   unknown = sorted(set(options) - set(fmt.options))
   if unknown:

@@ -25,6 +25,7 @@ from flax import nnx
 
 from configs import base
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import paths
 from mtp.checkpoint import workdir_lock
 from mtp.model import mtp_model
 from mtp.pretrained import gguf_file
@@ -38,7 +39,7 @@ GGUF_MAGIC = b'GGUF'
 
 def resolve_source(source: str | os.PathLike) -> pathlib.Path:
   """A path as given, or the cached file behind an alias ('smollm2', fetched if needed)."""
-  path = pathlib.Path(source)
+  path = paths.local_path(source, '--source')  # Local only: a URL is refused by name.
   if str(source) == smollm2.ALIAS and not path.exists():
     return smollm2.fetch_gguf()
   return path
@@ -130,7 +131,9 @@ def import_weights(source: str | os.PathLike, workdir: str | os.PathLike) -> pat
       nothing is written then.
     workdir_lock.WorkdirLockedError: another process trains or imports into `workdir`.
   """
-  workdir = pathlib.Path(workdir).absolute()
+  # Local files only, for now: a URL is refused by name, never folded into a local path.
+  paths.local_path(source, '--source')
+  workdir = paths.local_path(workdir, '--workdir').absolute()
   check_target(workdir)
   checkpoint = read_source(resolve_source(source))
   config = make_config(checkpoint)
