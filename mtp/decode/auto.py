@@ -16,19 +16,21 @@ Where every draft fails, the probes and the retries of all kinds together lose a
 `FALLBACK_BUDGET` of the row's one-token steps: each kind's probe at most its half of the
 kind's share of the row's token budget, its retries at most the other half of the steps since.
 A probe the budget cannot afford does not run (the kind starts stopped; its retries sample it
-later): in a short completion it could not win back what it costs. A row wants the largest kind that pays
-for it and whose newest drafter is `ready` (prompt lookup: its key matched at least two tokens).
+later): in a short completion it could not win back what it costs. A row wants the largest kind
+that pays for it and whose newest drafter is `ready` (prompt lookup: its key matched at least
+two tokens).
 
 A step is one kind for the whole batch (one compiled block), and a batch runs until its last
 row is done, so the kind is the one wanted by the row with the most tokens left to make; every
-greedy row verifies that step's drafts (free for it, and exact). A server's batch never ends
-(rows leave and others join: `AutoPolicy.throughput`): there that row's kind runs only where
-the batch's tokens per unit of cost, each row's from its own account, are at least those of the
-smallest step the sampled rows allow; else sampled rows that do not verify its drafts paid for
-its block (the demo model's server, mixed settings: `auto` at 0.46x plain decoding). A sampled row verifies only
+greedy row verifies that step's drafts (free for it, and exact). A sampled row verifies only
 the drafts of the kind it wants itself, and a step is never smaller than what a sampled row
 wants: which tokens a sampled row draws then depends on its own account alone, not on its
-neighbours (`settings`). Rows joining a running batch start their own account.
+neighbours (`settings`). Rows joining a running batch start their own account. A server's
+batch never ends (rows leave and others join: `AutoPolicy.throughput`): there that row's kind
+runs only where the batch's tokens per unit of cost, each row's from its own account, are at
+least those of the smallest step the sampled rows allow; else sampled rows that do not verify
+its drafts paid for its block (the demo model's server, mixed settings: `auto` at 0.46x plain
+decoding, now 0.83x).
 
 Measured: see `break_even`; the README has the figures.
 """
@@ -259,7 +261,8 @@ class AutoPolicy:
 def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: bool) -> str:
   plan = engine.plan
   block, _ = plan.block(kind)
-  return (f'v{_LOOP_VERSION}|{"sampled|" if sampled else ""}{cost_model.device_kind()}|{cost_model.model_key(engine.cfg)}'
+  return (f'v{_LOOP_VERSION}|{"sampled|" if sampled else ""}{cost_model.device_kind()}'
+          f'|{cost_model.model_key(engine.cfg)}'
           f'|B{batch_size}|P{prompt_width}|kind{kind}-{measurements.digest(repr(block))}'
           f'|{"rows" if plan.row_mapped else "batch"}|mesh'
           f'{plan.mesh.shape if plan.mesh is not None else None}'
