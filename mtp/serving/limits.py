@@ -13,6 +13,7 @@ arrive.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Callable
 
@@ -27,7 +28,6 @@ _BODY_METHODS = (b'POST', b'PUT', b'PATCH')
 
 
 def _error_json(message: str, code: str) -> bytes:
-  import json  # pylint: disable=import-outside-toplevel
   return json.dumps({'error': {'message': message, 'type': 'invalid_request_error',
                                'param': None, 'code': code}}).encode()
 
