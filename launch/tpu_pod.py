@@ -49,7 +49,6 @@ import hashlib
 import io
 import os
 import pathlib
-import re
 import shlex
 import subprocess
 import tarfile
@@ -60,6 +59,7 @@ from absl import app
 from absl import flags
 
 from launch import cli
+from mtp.checkpoint import paths as paths_lib  # No JAX: etils.epath only.
 
 FLAGS = flags.FLAGS
 PROGRAM = 'launch.tpu_pod'
@@ -163,9 +163,8 @@ def check_train_flags(train_flags: Sequence[str]) -> None:
 
 
 def scheme(path: str) -> str:
-  """`gs` for gs://..., '' for a path."""
-  match = re.match(r'([A-Za-z][A-Za-z0-9+.-]*)://', path)
-  return match.group(1).lower() if match else ''
+  """`gs` for gs://..., '' for a path (`paths.scheme`, lower-cased)."""
+  return paths_lib.scheme(path).lower()
 
 
 def required_extras(*paths: str) -> tuple[str, ...]:

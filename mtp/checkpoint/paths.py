@@ -23,6 +23,12 @@ def is_url(path: str | os.PathLike) -> bool:
   return '://' in os.fspath(path)
 
 
+def scheme(path: str | os.PathLike) -> str:
+  """The URL scheme of `path` as written (`gs` for gs://...), '' for a local path."""
+  match = _SCHEME.match(os.fspath(path))
+  return match.group(1) if match else ''
+
+
 def local_path(path: str | os.PathLike, what: str) -> pathlib.Path:
   """`path` as a pathlib.Path, for a component that reads or writes only local files.
 
@@ -38,9 +44,9 @@ def local_path(path: str | os.PathLike, what: str) -> pathlib.Path:
     ValueError: `path` has a URL scheme (`gs://`, `s3://`, ...); the message names `what`,
       the path and the scheme.
   """
-  match = _SCHEME.match(os.fspath(path))
-  if match:
-    raise ValueError(f'{what}={os.fspath(path)}: {match.group(1)}:// paths are not supported '
+  name = scheme(path)
+  if name:
+    raise ValueError(f'{what}={os.fspath(path)}: {name}:// paths are not supported '
                      'here yet; use a local path')
   return pathlib.Path(path)
 
