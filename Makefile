@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench,peer,serve,notebook,data]'
+	$(BIN)/pip install --quiet -e '.[test,bench,peer,serve,notebook,data,gcs]'
 	touch $@
 
 .PHONY: install demo test clean

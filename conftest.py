@@ -1,5 +1,6 @@
 """Test session setup: 8 simulated CPU devices (before JAX starts), quiet library logs, a
-measurement cache of the session's own, and one tiny trained workdir the tests share."""
+measurement cache of the session's own, one tiny trained workdir the tests share, and a local
+Cloud Storage (`gcs_bucket`)."""
 
 import os
 import tempfile
@@ -9,6 +10,9 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Measurements (break-evens, accuracies, token counts) and corpora of this session: tests never
 # read a user's ~/.cache/mtp, and xdist workers (which inherit the variable) share one.
 os.environ.setdefault('MTP_CACHE_DIR', tempfile.mkdtemp(prefix='mtp-test-cache-'))
+
+# Before gcsfs is first imported, which reads it: see tests/gcs_emulator.py.
+os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
 
 import jax  # noqa: E402
 
@@ -66,3 +70,40 @@ def tiny_workdir(tmp_path_factory):
   beside its tokenizer): trained once per test process. Read it; copy it to change it."""
   from mtp.serving import testing  # pylint: disable=import-outside-toplevel
   return testing.tiny_workdir(tmp_path_factory.mktemp('tiny') / 'workdir')
+
+
+@pytest.fixture(scope='session')
+def gcs_emulator():
+  """A local Cloud Storage for this test process (tests/gcs_emulator.py), with every client of
+  this process and of its subprocesses pointed at it: its URL."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from tests import gcs_emulator as emulator  # pylint: disable=import-outside-toplevel
+  # It ends when its standard input closes, as this process exits (tests/gcs_emulator.py).
+  process = subprocess.Popen([sys.executable, '-m', 'tests.gcs_emulator', '--port=0'],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             # Clients that close a connection early make it print tracebacks.
+                             stderr=subprocess.DEVNULL,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+  url = process.stdout.readline().strip()
+  if not url.startswith('http://'):
+    process.kill()
+    raise RuntimeError(f'The Cloud Storage emulator did not start (it printed {url!r}).')
+  os.environ.update(emulator.environment(url))
+  return url
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator, request):
+  """`gs://bucket/<test name>`: a directory of its own on the local Cloud Storage, reached
+  through the real clients (gcsfs under etils.epath, tensorstore under Orbax)."""
+  import re  # pylint: disable=import-outside-toplevel
+  import uuid  # pylint: disable=import-outside-toplevel
+  import gcsfs  # pylint: disable=import-outside-toplevel
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  del gcs_emulator
+  # Clients made before the emulator's variables were set would reach the real service.
+  gcsfs.GCSFileSystem.clear_instance_cache()
+  epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  name = re.sub(r'[^a-zA-Z0-9_-]+', '-', request.node.name)[:60]
+  return f'gs://bucket/{name}-{uuid.uuid4().hex[:8]}'

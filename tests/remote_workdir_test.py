@@ -1,20 +1,16 @@
-"""Workdirs on an object store: `gs://` paths served by an in-memory fsspec file system.
+"""Workdir files on an object store: `gs://` on a local Cloud Storage emulator (`gcs_bucket`).
 
-epath reaches `gs://` through fsspec when TensorFlow is absent, so registering an in-memory
-file system for the `gs` protocol lets the workdir's files (config.json, base.json, the
-tokenizer, metrics.jsonl, the lock) go to a fake bucket. Nothing may land on the local disk
-under a mangled name (`gs:/bucket/...`, what pathlib makes of a URL). Orbax's arrays go through
-tensorstore, which has its own gs driver that this fake does not reach: checkpoints are not
-tested here.
+The workdir's own files (config.json, base.json, the tokenizer, metrics.jsonl, the lock) go
+through etils.epath and gcsfs. Nothing may land on the local disk under a mangled name
+(`gs:/bucket/...`, what pathlib makes of a URL). Checkpoints, data, exports and whole runs on
+`gs://` are tested end to end in tests/gcs_test.py.
 """
 
 import json
 import os
 
-import fsspec
 import pytest
 from etils import epath
-from fsspec.implementations import memory
 
 from configs import tiny
 from mtp.checkpoint import checkpointing
@@ -25,41 +21,16 @@ from mtp.train import workdir_tokenizer
 from mtp.train import writers
 
 
-class _FakeGCS(memory.MemoryFileSystem):
-  """An in-memory bucket store under `gs://`, apart from fsspec's `memory://` one."""
-  protocol = ('gs', 'gcs')
-  store = {}
-  pseudo_dirs = ['']
-
-  def __init__(self, *args, finalize_on_close=None, **kwargs):
-    del finalize_on_close  # gcsfs's option, which epath passes.
-    super().__init__(*args, **kwargs)
-
-  @classmethod
-  def _strip_protocol(cls, path):
-    path = os.fspath(path)
-    for prefix in ('gs://', 'gcs://'):
-      path = path.removeprefix(prefix)
-    return memory.MemoryFileSystem._strip_protocol(path)
-
-
 @pytest.fixture
-def bucket(monkeypatch, tmp_path):
-  if epath.gpath._is_tf_installed():  # pylint: disable=protected-access
-    pytest.skip('epath reaches gs:// through TensorFlow here, not fsspec')
-  for protocol in _FakeGCS.protocol:
-    fsspec.register_implementation(protocol, _FakeGCS, clobber=True)
-  epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
-  _FakeGCS.store.clear()
+def bucket(gcs_bucket, monkeypatch, tmp_path):
   monkeypatch.chdir(tmp_path)  # Where a mangled local `gs:/...` directory would appear.
-  yield 'gs://bucket'
-  epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  yield gcs_bucket
   assert not (tmp_path / 'gs:').exists()
   assert not os.listdir(tmp_path), os.listdir(tmp_path)
 
 
 def _stored(name):
-  return _FakeGCS._strip_protocol(name) in _FakeGCS.store  # pylint: disable=protected-access
+  return epath.Path(name).is_file()
 
 
 def test_config_and_base_reference_on_a_bucket(bucket):
@@ -109,8 +80,8 @@ def test_local_caches_of_a_bucket_workdir_live_on_this_host(bucket, monkeypatch,
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path.parent / 'cache'))
   local = paths.local_dir(f'{bucket}/run', 'data_cache')
   assert not paths.is_url(local)
-  assert str(local) == str(tmp_path.parent / 'cache' / 'workdirs' / 'gs' / 'bucket' / 'run' /
-                           'data_cache')
+  assert str(local) == str(tmp_path.parent / 'cache' / 'workdirs' / 'gs' /
+                           bucket.removeprefix('gs://') / 'run' / 'data_cache')
   assert str(paths.local_dir(tmp_path / 'run', 'data_cache')) == str(tmp_path / 'run' /
                                                                     'data_cache')
 
