@@ -8,11 +8,36 @@ when TensorFlow is installed, else through fsspec (`pip install gcsfs`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+import json
 import os
 import pathlib
 import re
+import shutil
 
 from etils import epath
+
+# Copies stream in pieces of this size: a shard of gigabytes never sits in memory whole.
+_COPY_BYTES = 16 * 2**20
+
+
+def _no_listings_cache() -> None:
+  """Makes gcsfs (epath's way to `gs://` without TensorFlow) list a directory afresh each time.
+
+  By default it keeps every listing for the life of the process, so a process never sees what
+  another wrote after its first look: a checkpoint saved by the trainer on another host, a lock
+  taken since. Checkpoint discovery and locks must see the bucket as it is. Only defaults that
+  nobody set are changed (fsspec's config, e.g. FSSPEC_GS_USE_LISTINGS_CACHE, still wins).
+  """
+  try:
+    from fsspec import config  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return
+  for protocol in ('gs', 'gcs'):
+    config.conf.setdefault(protocol, {}).setdefault('use_listings_cache', False)
+
+
+_no_listings_cache()
 
 # A URL's scheme (`gs://`, `s3://`, `http://`): RFC 3986's letters, digits, `+`, `-` and `.`.
 _SCHEME = re.compile(r'^([a-zA-Z][a-zA-Z0-9+.-]*)://')
@@ -49,6 +74,34 @@ def local_path(path: str | os.PathLike, what: str) -> pathlib.Path:
     raise ValueError(f'{what}={os.fspath(path)}: {name}:// paths are not supported '
                      'here yet; use a local path')
   return pathlib.Path(path)
+
+
+# The object stores a path may name, with the module epath reaches each through and the
+# extra of pyproject.toml that installs it. Only Cloud Storage is tested (tests/gcs_test.py).
+REMOTE_SCHEMES = {'gs': ('gcsfs', 'gcs')}
+
+
+def path_or_url(path: str | os.PathLike, what: str) -> epath.Path:
+  """`path` for a component that reads and writes local paths and object-store URLs alike:
+  a local path (user-expanded, absolute) or a `gs://` URL, as an epath.Path.
+
+  Raises:
+    ValueError: a URL of another scheme, or `gs://` without its client installed; the message
+      names `what`, the path and what to do.
+  """
+  name = scheme(path)
+  if not name:
+    return as_path(os.path.expanduser(os.fspath(path)))
+  if name not in REMOTE_SCHEMES:
+    raise ValueError(f'{what}={os.fspath(path)}: {name}:// paths are not supported (use a '
+                     f'local path or {", ".join(f"{s}://" for s in REMOTE_SCHEMES)})')
+  module, extra = REMOTE_SCHEMES[name]
+  try:
+    __import__(module)
+  except ImportError:
+    raise ValueError(f"{what}={os.fspath(path)}: {name}:// paths need {module} (pip install "
+                     f"'.[{extra}]')") from None
+  return epath.Path(path)
 
 
 def as_path(path: str | os.PathLike) -> epath.Path:
@@ -103,3 +156,65 @@ def local_dir(workdir: str | os.PathLike, name: str) -> epath.Path:
     return as_path(workdir) / name
   flat = os.fspath(workdir).replace('://', '/').strip('/')
   return cache_root() / 'workdirs' / flat / name
+
+
+def copy_file(source: str | os.PathLike, target: str | os.PathLike) -> None:
+  """Streams one file from `source` to `target`, either local or on an object store."""
+  with epath.Path(source).open('rb') as reader, epath.Path(target).open('wb') as writer:
+    shutil.copyfileobj(reader, writer, _COPY_BYTES)
+
+
+def upload_tree(local: str | os.PathLike, target: str | os.PathLike,
+                last: Sequence[str] = ()) -> int:
+  """Copies every file under the local directory `local` to `target` (a URL as a rule),
+  the files named in `last` (relative paths, in order) after all others: a reader that takes
+  them as the mark of a complete tree never sees a partial one. Returns the files copied.
+
+  An object store has no rename: this is how a tree written locally (by a library that writes
+  only local files) is committed to one.
+  """
+  local, target = pathlib.Path(local), epath.Path(target)
+  files = sorted(p.relative_to(local).as_posix() for p in local.rglob('*') if p.is_file())
+  missing = [name for name in last if name not in files]
+  if missing:
+    raise FileNotFoundError(f'{local} lacks {", ".join(missing)}, which marks it complete')
+  for name in [f for f in files if f not in last] + list(last):
+    (target / name).parent.mkdir(parents=True, exist_ok=True)
+    copy_file(local / name, target / name)
+  return len(files)
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+  """Removes the directory `path` and everything under it, local or on an object store, if it
+  exists."""
+  path = epath.Path(path)
+  if path.exists():
+    path.rmtree()
+
+
+def local_copy(path: str | os.PathLike) -> pathlib.Path:
+  """`path` itself if local; for a file on an object store, a copy on this host, for readers
+  that take only local files (memory maps, ArrayRecord's reader).
+
+  Copies live under `cache_root()/remote/`, named after the URL, and are fetched once: again
+  only when the object's size or modification time changes. A copy appears whole or not at all
+  (written beside, then renamed), so hosts and processes may fetch the same file at once.
+  """
+  if not is_url(path):
+    return pathlib.Path(path)
+  remote = epath.Path(path)
+  stat = remote.stat()
+  stamp = json.dumps({'length': stat.length, 'mtime': stat.mtime})
+  copy = pathlib.Path(cache_root()) / 'remote' / os.fspath(path).replace('://', '/')
+  stamp_path = copy.with_name(copy.name + '.stamp')
+  if copy.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp:
+    return copy
+  copy.parent.mkdir(parents=True, exist_ok=True)
+  part = copy.with_name(f'.{copy.name}.{os.getpid()}.part')
+  try:
+    copy_file(remote, part)
+    os.replace(part, copy)
+  finally:
+    part.unlink(missing_ok=True)
+  write_atomically(stamp_path, stamp)
+  return copy

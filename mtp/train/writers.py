@@ -9,6 +9,7 @@ they are left out with a warning.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -124,6 +125,9 @@ class MetricWriter:
       self._bar.close()
 
 
+_WRITER_COUNT = itertools.count()
+
+
 def _tensorboard_writer(directory: epath.Path) -> SummaryWriter | None:
   """A TensorBoard writer into `directory`, or None (with a warning) where tensorboardX cannot
   write there: `gs://` without google-cloud-storage, `s3://` without boto3, other schemes."""
@@ -135,4 +139,7 @@ def _tensorboard_writer(directory: epath.Path) -> SummaryWriter | None:
       logging.warning('No TensorBoard events under %s: tensorboardX cannot write there%s. '
                       'metrics.jsonl has every record.', directory, needs.get(scheme, ''))
       return None
-  return SummaryWriter(str(directory))
+  # An event file is named by the second and host it was opened on: a writer opened again in
+  # the same second (a run resumed at once) would replace the first one's file. The process and
+  # a count keep every writer's file apart.
+  return SummaryWriter(str(directory), filename_suffix=f'.{os.getpid()}.{next(_WRITER_COUNT)}')
