@@ -9,7 +9,8 @@ r"""Tokenizes a corpus once into sharded ArrayRecord files that training streams
 file, or a glob of them. --tokenizer is `byte`, `bpe` (trained on the source's train split,
 --vocab_size ids) or a directory with a tokenizer.json (a workdir or another dataset). The
 output holds train/ and valid/ shards, tokenizer.json and manifest.json (mtp/data/shards.py);
-it appears only when complete. A directory source reads only the files --extensions names
+it appears only when complete. --output (and --tokenizer) may be on Cloud Storage (`gs://`, with
+the `gcs` extra installed); --source is read from local files. A directory source reads only the files --extensions names
 (default .py): the others are counted in a warning. While it runs the output is locked
 (`<output>.lock`): a second run on it is refused. Failures print one line and exit with 1 (2 for
 bad flags).
@@ -26,7 +27,7 @@ from mtp.data import prepare as prepare_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('source', None, 'A directory, stdlib, a .jsonl / .parquet file or a glob.')
-flags.DEFINE_string('output', None, 'The dataset directory to write.')
+flags.DEFINE_string('output', None, 'The dataset directory to write (local or gs://).')
 flags.DEFINE_string('text_field', 'text', 'JSONL field / Parquet column holding the text.')
 flags.DEFINE_string('id_field', '', 'Record field the valid split hashes (default: the text).')
 flags.DEFINE_list('extensions', ['.py'], 'File suffixes read from a directory source, e.g. '

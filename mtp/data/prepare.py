@@ -5,7 +5,9 @@ tokenize them; the parent writes their ids in source order, so the result does n
 number of workers. At most a few chunks per worker are in flight: memory does not grow with the
 corpus. A worker that cannot start (its tokenizer unreadable) or that dies ends the run with one
 error. Everything is written to a staging directory beside the output and renamed into place at
-the end, so a killed run leaves no half dataset under the output's name. The output's lock
+the end, so a killed run leaves no half dataset under the output's name. An output on an object
+store (`gs://...`) is staged in this host's cache and uploaded at the end, its manifest last: a
+dataset without its manifest is not one (`shards.open_dataset`). The output's lock
 (`<output>.lock`, `checkpoint/workdir_lock.py`, as `launch.export` takes its output's) keeps a
 second run on the same output out: it would take the first's staging directory for a killed
 run's.
@@ -25,6 +27,7 @@ import shutil
 import time
 from typing import Any
 
+from etils import epath
 import numpy as np
 
 from mtp.checkpoint import paths
@@ -57,7 +60,8 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
 
   Args:
     source: a directory, `stdlib`, a .jsonl or .parquet file or a glob of them (`sources`).
-    output: the dataset directory to create.
+    output: the dataset directory to create, local or on an object store (`gs://...`: written
+      locally under `paths.cache_root()`, then uploaded, its manifest last).
     tokenizer: 'byte'; 'bpe' (trained on up to `bpe_sample_bytes` of the train split's text,
       `vocab_size` ids); or a directory holding a tokenizer.json (a training workdir, another
       dataset) to reuse.
@@ -75,14 +79,18 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
 
   Raises:
     PrepareError, sources.SourceError: bad arguments, before anything is written.
-    ValueError: `source`, `output` or `tokenizer` is a URL (`gs://...`): local paths only.
+    ValueError: `source` is a URL (`gs://...`): sources are read from local files only; or
+      `output` or `tokenizer` is a URL of another scheme than gs://, or gcsfs is missing.
     workdir_lock.WorkdirLockedError: another run writes `output`.
   """
-  # Local files only, for now: a URL is refused by name, never folded into a local path.
+  # The source is read with local file APIs: a URL is refused by name, never folded into a
+  # local path. The output and a tokenizer directory may be on an object store.
   paths.local_path(source, '--source')
+  output = paths.path_or_url(output, '--output')
+  if not paths.is_url(output):
+    output = pathlib.Path(output)
   if tokenizer not in ('byte', 'bpe'):
-    paths.local_path(tokenizer, '--tokenizer')
-  output = paths.local_path(output, '--output').expanduser().absolute()
+    paths.path_or_url(tokenizer, '--tokenizer')
   if output.exists() and not overwrite:
     raise PrepareError(f'{output} already exists: choose another --output or pass --overwrite.')
   if not 0.0 <= valid_fraction < 1.0:
@@ -111,13 +119,13 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
   return result
 
 
-def _write(corpus: sources.Source, output: pathlib.Path, tokenizer: str, vocab_size: int,
+def _write(corpus: sources.Source, output: os.PathLike, tokenizer: str, vocab_size: int,
            valid_fraction: float, num_workers: int, shard_tokens: int, bpe_sample_bytes: int,
            record_tokens: int) -> dict[str, Any]:
   """`prepare` once the output's lock is held: the staging directory, filled and renamed."""
   tok = _tokenizer(tokenizer, corpus, valid_fraction, vocab_size, bpe_sample_bytes)
   _remove_stale_staging(output)
-  staging = output.with_name(f'.{output.name}{STAGING_MARK}{os.getpid()}')
+  staging = _staging_parent(output) / f'.{output.name}{STAGING_MARK}{os.getpid()}'
   staging.mkdir(parents=True)
   try:
     start = time.perf_counter()
@@ -168,7 +176,7 @@ def _tokenizer(spec: str, corpus: sources.Source, valid_fraction: float, vocab_s
   if spec == 'bpe':
     return tokenizer_lib.train_bpe(_train_sample(corpus, valid_fraction, sample_bytes),
                                    vocab_size)
-  path = pathlib.Path(spec).expanduser()
+  path = epath.Path(spec) if paths.is_url(spec) else pathlib.Path(spec).expanduser()
   try:
     return tokenizer_lib.Tokenizer.load(path)
   except FileNotFoundError as e:
@@ -293,17 +301,36 @@ def _tokenize_chunk(chunk: list[tuple[str, sources.Document]]
   return docs, {'binary_files': len(reader.binary), 'undecodable_files': len(reader.undecodable)}
 
 
-def _remove_stale_staging(output: pathlib.Path) -> None:
-  """Staging directories a killed run left beside `output` (stale: the lock is ours)."""
-  if not output.parent.is_dir():
+def _staging_parent(output: os.PathLike) -> pathlib.Path:
+  """Where the staging directory is written: beside a local `output` (a rename commits it), or
+  under this host's cache for one on an object store (uploaded then)."""
+  return pathlib.Path(paths.local_dir(epath.Path(output).parent, ''))
+
+
+def _remove_stale_staging(output: os.PathLike) -> None:
+  """Staging directories a killed run left for `output` (stale: the lock is ours)."""
+  parent = _staging_parent(output)
+  if not parent.is_dir():
     return
-  for stale in output.parent.glob(f'.{output.name}{STAGING_MARK}*'):
+  for stale in parent.glob(f'.{epath.Path(output).name}{STAGING_MARK}*'):
     logging.warning('Removing %s, left by an interrupted run.', stale)
     shutil.rmtree(stale, ignore_errors=True)
 
 
-def _commit(staging: pathlib.Path, output: pathlib.Path) -> None:
-  """Renames `staging` to `output` (an existing `output` is replaced)."""
+def _commit(staging: pathlib.Path, output: os.PathLike) -> None:
+  """Makes `staging` the dataset at `output` (an existing one is replaced).
+
+  Locally a rename. On an object store the files are uploaded, the manifest last: until it
+  lands, `shards.open_dataset` finds no dataset there. A replaced dataset's manifest is
+  removed first, so no reader takes the old manifest for the new shards.
+  """
+  if paths.is_url(output):
+    output = epath.Path(output)
+    (output / shards.MANIFEST_FILENAME).unlink(missing_ok=True)
+    paths.remove_tree(output)
+    paths.upload_tree(staging, output, last=(shards.MANIFEST_FILENAME,))
+    shutil.rmtree(staging, ignore_errors=True)
+    return
   if output.exists():
     old = output.with_name(f'.{output.name}.replaced-{os.getpid()}')
     output.rename(old)

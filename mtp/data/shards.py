@@ -20,6 +20,11 @@ row (about 1 ms a row on the standard library's files, measured); a piece costs
 
 `SplitReader` reads any token range of a split's concatenated documents by random access; its
 memory does not grow with the corpus (offsets are memory-mapped, records read on demand).
+
+A dataset may live on an object store (`gs://bucket/tokens`): the manifest and tokenizer are
+read through etils.epath, and each shard (records and offsets) is copied to this host's cache
+(`paths.local_copy`) the first time a read touches it, since ArrayRecord's reader and memory maps
+take only local files. A host then holds the shards its rows come from, at most the dataset.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from collections.abc import Sequence
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 from typing import Any
 
+from etils import epath
 import numpy as np
 
 from mtp.checkpoint import paths
@@ -144,7 +151,7 @@ class SplitWriter:
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """An opened dataset directory: its manifest, checked against the files."""
-  directory: pathlib.Path
+  directory: epath.Path
   manifest: dict[str, Any]
 
   @property
@@ -163,23 +170,23 @@ class Dataset:
                        int(self.manifest['record_tokens']))
 
 
-def open_dataset(directory: str | pathlib.Path, what: str = 'config.data.source') -> Dataset:
+def open_dataset(directory: str | os.PathLike, what: str = 'config.data.source') -> Dataset:
   """Reads and checks `directory/manifest.json` and that every shard it lists is there.
 
   Args:
-    directory: the dataset directory; local only (a URL is refused).
-    what: the flag or config key `directory` came from, named when it is a URL.
+    directory: the dataset directory, local or on an object store (`gs://...`).
+    what: the flag or config key `directory` came from, named in errors.
 
   Raises:
-    DatasetError: naming the missing or malformed path, or `what` for a URL (`gs://...`).
+    DatasetError: naming the missing or malformed path.
   """
   try:
-    directory = paths.local_path(directory, what).expanduser()
+    directory = paths.path_or_url(directory, what)
   except ValueError as e:
     raise DatasetError(str(e)) from None
   if not directory.is_dir():
-    raise DatasetError(f'Dataset directory {directory} does not exist (make one with '
-                       'python -m launch.prepare_data --output=...).')
+    raise DatasetError(f'{what}={directory}: the dataset directory does not exist (make one '
+                       'with python -m launch.prepare_data --output=...).')
   path = directory / MANIFEST_FILENAME
   if not path.is_file():
     raise DatasetError(f'{path} is missing: {directory} is not a prepared dataset (or its '
@@ -218,9 +225,9 @@ class SplitReader:
   Safe to pickle (grain worker processes): files are opened lazily in each process.
   """
 
-  def __init__(self, directory: pathlib.Path, shards: Sequence[dict[str, Any]],
+  def __init__(self, directory: str | os.PathLike, shards: Sequence[dict[str, Any]],
                dtype: np.dtype, record_tokens: int):
-    self._directory = pathlib.Path(directory)
+    self._directory = os.fspath(directory)  # A string: pickles the same for every backend.
     self._shards = [dict(s) for s in shards]
     self._dtype = np.dtype(dtype)
     self._record_tokens = record_tokens
@@ -236,16 +243,20 @@ class SplitReader:
     state['_readers'], state['_offsets'] = {}, {}
     return state
 
+  def _local(self, shard: int, key: str) -> pathlib.Path:
+    """A local path of the shard's `key` file ('records' or 'offsets'): the file itself, or
+    this host's copy of one on an object store."""
+    return paths.local_copy(epath.Path(self._directory) / self._shards[shard][key])
+
   def _shard_offsets(self, shard: int) -> np.ndarray:
     if shard not in self._offsets:
-      self._offsets[shard] = np.load(self._directory / self._shards[shard]['offsets'],
-                                     mmap_mode='r')
+      self._offsets[shard] = np.load(self._local(shard, 'offsets'), mmap_mode='r')
     return self._offsets[shard]
 
   def _read(self, shard: int, start: int, stop: int) -> np.ndarray:
     """Tokens [start, stop) of one shard's concatenation."""
     if shard not in self._readers:
-      self._readers[shard] = _record_reader(self._directory / self._shards[shard]['records'])
+      self._readers[shard] = _record_reader(self._local(shard, 'records'))
     size = self._record_tokens
     first, last = start // size, (stop - 1) // size
     records = self._readers[shard].read(list(range(first, last + 1)))

@@ -17,6 +17,7 @@ from absl import logging
 from flax import nnx
 
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import paths
 from mtp.train import trunk_cache
 
 # 'text': the corpus; 'teacher': the base trunk's greedy next token on the corpus; 'rollout': the
@@ -88,7 +89,7 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
     trainer: the `step.Trainer` (its graph definition and trunk settings).
     arrays: packed rows, `tokens`, `segment_ids`, `positions` [N, T] int32.
   """
-  source = pathlib.Path(config.init_from).absolute()
+  source = paths.as_path(config.init_from)
   checkpointer = checkpointing.Checkpointer(source, read_only=True)
   try:
     source_step = checkpointer.latest_step()
@@ -108,9 +109,16 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
   else:
     key = trunk_cache.cache_key(arrays, description, store_hidden)
     names = [trunk_cache.TARGETS] + hidden
-  directory = workdir / 'trunk_cache' / key
+  # Built with local file APIs (memory maps) on this host; a workdir on an object store keeps a
+  # copy, so a run resumed on another host fetches it instead of building it again.
+  directory = pathlib.Path(paths.local_dir(workdir, 'trunk_cache')) / key
+  kept = paths.as_path(workdir) / 'trunk_cache' / key if paths.is_url(workdir) else None
+  is_kept = kept is not None and all((kept / f'{name}.npy').exists() for name in names)
   if all((directory / f'{name}.npy').exists() for name in names):
     cached = trunk_cache.load(directory, names)
+  elif is_kept:
+    cached = {name: np.load(paths.local_copy(kept / f'{name}.npy'), mmap_mode='r')
+              for name in names}
   elif distill.targets == 'rollout':
     # The teacher is always the source's trunk, also when resuming a fine-tuned one.
     rollout = functools.partial(trunk_cache.rollout_forward(trainer.graphdef, seq_len),
@@ -127,6 +135,8 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
                  arrays['tokens'].shape[0], directory)
     cached = trunk_cache.build(arrays, forward, directory, batch_size=distill.batch_size,
                                store_hidden=store_hidden)
+  if kept is not None and not is_kept:
+    paths.upload_tree(directory, kept)  # Each file whole; the set counts once all are there.
   if distill.targets == 'rollout':
     return cached
   if distill.targets == 'text':
