@@ -66,6 +66,15 @@ def main(argv):
     cli.fail(PROGRAM, ValueError(f'--num_processes={FLAGS.num_processes} needs --process_id and '
                                  '--coordinator_address (or --num_processes=-1 where the cluster '
                                  'tells them).'), cli.USAGE)
+  from mtp.checkpoint import paths  # pylint: disable=import-outside-toplevel  # No JAX.
+  try:  # A scheme nothing serves, or gs:// without its client: named before JAX starts.
+    paths.path_or_url(FLAGS.workdir, '--workdir')
+    for key, value in (('config.data.source', config.data.get('source')),
+                       ('config.init_from', config.get('init_from'))):
+      if value:
+        paths.path_or_url(value, key)
+  except ValueError as e:
+    cli.fail(PROGRAM, e)
   launch.quiet_library_logs()
   import jax  # After flags, so that XLA_FLAGS set by wrappers are honoured.
   if FLAGS.num_processes == -1 or FLAGS.num_processes > 1:

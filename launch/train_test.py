@@ -147,3 +147,21 @@ def test_bad_process_flags_are_named(tmp_path, capsys, extra, message):
     _main(tmp_path, *extra)
   assert e.value.code == cli.USAGE
   assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('flag, value, named', [
+    ('--workdir', 's3://b/run', '--workdir=s3://b/run: s3:// paths are not supported (use a '
+     'local path or gs://)'),
+    ('--config.data.source', 'hdfs://n/tokens',
+     'config.data.source=hdfs://n/tokens: hdfs:// paths are not supported'),
+    ('--config.init_from', 'az://c/base', 'config.init_from=az://c/base: az:// paths are not'),
+])
+def test_a_path_nothing_can_serve_is_named_before_jax_starts(tmp_path, flag, value, named):
+  """gs:// is served (tests/gcs_test.py); other schemes are refused in one line, before
+  anything is written (the workdir is not made) or compiled."""
+  workdir = value if flag == '--workdir' else tmp_path / 'w'
+  proc = _launch(workdir, *([f'{flag}={value}'] if flag != '--workdir' else []))
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == cli.ERROR, err[-2000:]
+  assert err.strip().splitlines()[-1].startswith(f'launch.train: {named}'), err[-2000:]
+  assert 'Traceback' not in err and not list(tmp_path.iterdir())

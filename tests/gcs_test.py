@@ -185,3 +185,28 @@ def test_heads_on_a_trunk_in_a_bucket_keep_their_trunk_cache_there(tiny_workdir,
 
 def _no_trunk_pass(*args, **kwargs):
   raise AssertionError('the trunk cache was built again instead of fetched from the workdir')
+
+
+def test_measurements_are_shared_on_a_bucket_and_host_caches_stay_local(tiny_workdir, gcs_bucket,
+                                                                        tmp_path, monkeypatch):
+  """MTP_CACHE_DIR=gs://...: decoding's measurements (break-evens, the corpus's token counts)
+  go to the bucket and are read back by the next load (a fresh measurement is an error here);
+  nothing is folded into a local `gs:` directory."""
+  monkeypatch.setenv('MTP_CACHE_DIR', f'{gcs_bucket}/cache')
+  monkeypatch.chdir(tmp_path)
+  model = mtp.load(tiny_workdir)
+  prompts = ['def f(x):', 'import os\n']
+  first = mtp.generate(model, prompts, max_new_tokens=8, decoder='auto', draft_vocab=64)
+  tables = sorted(p.name for p in epath.Path(f'{gcs_bucket}/cache/decode').iterdir())
+  assert 'break_even.json' in tables and 'token_counts' in tables, tables
+  with monkeypatch.context() as m:
+    m.setattr('mtp.decode.measurements.store', _no_measuring)
+    m.setattr('mtp.decode.measurements.write_array', _no_measuring)
+    again = mtp.generate(mtp.load(tiny_workdir), prompts, max_new_tokens=8, decoder='auto',
+                         draft_vocab=64)
+  assert [g.tokens for g in again] == [g.tokens for g in first]
+  assert not (tmp_path / 'gs:').exists()
+
+
+def _no_measuring(*args, **kwargs):
+  raise AssertionError('measured again instead of reading the measurement on the bucket')

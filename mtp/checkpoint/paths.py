@@ -141,21 +141,35 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
   write_atomically(path, text)
 
 
+_DEFAULT_CACHE = os.path.join('~', '.cache', 'mtp')
+
+
 def cache_root() -> epath.Path:
-  """The one directory of this host's caches: `$MTP_CACHE_DIR`, default ~/.cache/mtp (the
-  standard library's corpora, decoding's measurements, local copies of remote workdirs')."""
-  return epath.Path(os.environ.get('MTP_CACHE_DIR')
-                    or os.path.join(os.path.expanduser('~'), '.cache', 'mtp'))
+  """The directory of caches: `$MTP_CACHE_DIR`, default ~/.cache/mtp.
+
+  It may be a `gs://` URL: decoding's measurements (`decode/measurements.py`, read and written
+  through epath) are then shared by every host that sets it, measured once per device kind.
+  What must be on this host's disk goes under `host_cache_root()`.
+  """
+  return epath.Path(os.environ.get('MTP_CACHE_DIR') or os.path.expanduser(_DEFAULT_CACHE))
+
+
+def host_cache_root() -> pathlib.Path:
+  """The directory of this host's caches, written with local file APIs (the standard
+  library's corpora, token arrays, local copies of remote files, staging directories):
+  `$MTP_CACHE_DIR` when it is a local path, else ~/.cache/mtp."""
+  root = os.environ.get('MTP_CACHE_DIR')
+  return pathlib.Path(root if root and not is_url(root) else os.path.expanduser(_DEFAULT_CACHE))
 
 
 def local_dir(workdir: str | os.PathLike, name: str) -> epath.Path:
   """`workdir/name` for a local workdir; for one on an object store, a directory of this host
-  named after its URL under `cache_root()`: for caches written with local file APIs (the
+  named after its URL under `host_cache_root()`: for caches written with local file APIs (the
   in-memory corpus's token arrays), which a host rebuilds when it lacks them."""
   if not is_url(workdir):
     return as_path(workdir) / name
   flat = os.fspath(workdir).replace('://', '/').strip('/')
-  return cache_root() / 'workdirs' / flat / name
+  return epath.Path(host_cache_root() / 'workdirs' / flat / name)
 
 
 def copy_file(source: str | os.PathLike, target: str | os.PathLike) -> None:
@@ -196,7 +210,7 @@ def local_copy(path: str | os.PathLike) -> pathlib.Path:
   """`path` itself if local; for a file on an object store, a copy on this host, for readers
   that take only local files (memory maps, ArrayRecord's reader).
 
-  Copies live under `cache_root()/remote/`, named after the URL, and are fetched once: again
+  Copies live under `host_cache_root()/remote/`, named after the URL, and are fetched once: again
   only when the object's size or modification time changes. A copy appears whole or not at all
   (written beside, then renamed), so hosts and processes may fetch the same file at once.
   """
@@ -205,7 +219,7 @@ def local_copy(path: str | os.PathLike) -> pathlib.Path:
   remote = epath.Path(path)
   stat = remote.stat()
   stamp = json.dumps({'length': stat.length, 'mtime': stat.mtime})
-  copy = pathlib.Path(cache_root()) / 'remote' / os.fspath(path).replace('://', '/')
+  copy = host_cache_root() / 'remote' / os.fspath(path).replace('://', '/')
   stamp_path = copy.with_name(copy.name + '.stamp')
   if copy.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp:
     return copy

@@ -63,3 +63,16 @@ def test_upload_tree_copies_every_file_and_its_marks_last(tmp_path, monkeypatch)
 
 def test_local_copy_of_a_local_path_is_the_path(tmp_path):
   assert paths.local_copy(tmp_path / 'x.npy') == tmp_path / 'x.npy'
+
+
+def test_a_bucket_cache_root_keeps_host_caches_on_this_host(tmp_path, monkeypatch):
+  """MTP_CACHE_DIR may name a bucket (shared measurements); what must be on local disk goes
+  under ~/.cache/mtp then."""
+  monkeypatch.setenv('HOME', str(tmp_path))
+  monkeypatch.setenv('MTP_CACHE_DIR', 'gs://b/cache')
+  assert str(paths.cache_root()) == 'gs://b/cache'
+  assert paths.host_cache_root() == tmp_path / '.cache' / 'mtp'
+  assert str(paths.local_dir('gs://b/run', 'data_cache')) == str(
+      tmp_path / '.cache' / 'mtp' / 'workdirs' / 'gs' / 'b' / 'run' / 'data_cache')
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'c'))
+  assert str(paths.cache_root()) == str(tmp_path / 'c') and paths.host_cache_root() == tmp_path / 'c'

@@ -224,7 +224,7 @@ def corpus_splits(data_config: Any) -> dict[str, list[pathlib.Path]]:
 
 
 def _cache_root() -> pathlib.Path:
-  return pathlib.Path(paths.cache_root())
+  return paths.host_cache_root()
 
 
 def stdlib_prose_texts() -> dict[str, str]:

@@ -61,7 +61,7 @@ def prepare(source: str, output: str | pathlib.Path, *, tokenizer: str = 'byte',
   Args:
     source: a directory, `stdlib`, a .jsonl or .parquet file or a glob of them (`sources`).
     output: the dataset directory to create, local or on an object store (`gs://...`: written
-      locally under `paths.cache_root()`, then uploaded, its manifest last).
+      locally under `paths.host_cache_root()`, then uploaded, its manifest last).
     tokenizer: 'byte'; 'bpe' (trained on up to `bpe_sample_bytes` of the train split's text,
       `vocab_size` ids); or a directory holding a tokenizer.json (a training workdir, another
       dataset) to reuse.

@@ -193,7 +193,7 @@ def corpus_tokens(config, tokenizer, workdir=None,
       yield from reader.pieces(start, min(start + _CHUNK_TOKENS, end))
     return
   cache = (paths.local_dir(workdir, 'data_cache') if workdir is not None
-           else paths.cache_root() / 'data_cache')
+           else paths.host_cache_root() / 'data_cache')
   arrays = pipeline.load_or_build_split(data, tokenizer, 'train', cache)
   tokens = arrays['tokens'][arrays['segment_ids'] != 0]
   yield tokens if max_tokens is None else tokens[:max_tokens]
