@@ -15,7 +15,10 @@ on stderr naming the process, e.g.
   launch.multiprocess: process 1 of 2 (pid 4242) was killed by SIGKILL; stopped the other 1.
 
 SIGTERM or SIGINT to the runner is passed on to every process (launch.train then saves a
-checkpoint and exits with 143), and the runner waits for them all.
+checkpoint and exits with 143), and the runner waits for them all. A process that exits with 143
+on its own was preempted (a signal to it alone): the others agree on the same step through JAX's
+preemption service and exit with 143 too, so the runner waits for them rather than stopping them
+mid-save.
 
 The same launch.train command runs on a TPU pod's workers (launch/tpu_pod.py) and under SLURM
 (launch/slurm_gpu.sbatch), where the cluster gives each process its id instead of this runner.
@@ -31,6 +34,9 @@ import subprocess
 import sys
 import threading
 import time
+
+# launch.train's exit code after saving on SIGTERM (launch.cli.PREEMPTED).
+PREEMPTED = 143
 from typing import IO, Sequence
 
 PROGRAM = 'launch.multiprocess'
@@ -93,7 +99,8 @@ def run(commands: Sequence[Sequence[str]], *, grace_s: float = 10.0, poll_s: flo
 
   Returns:
     0 when every process exited with 0; else the first failure's code (1 for a signal), or,
-    after a stop request (SIGTERM/SIGINT), the first non-zero code among the processes.
+    after a stop request (SIGTERM/SIGINT) or a preempted process (exit 143, not a failure), the
+    first non-zero code among the processes.
   """
   out = out or sys.stdout
   err = err or sys.stderr
@@ -113,6 +120,7 @@ def run(commands: Sequence[Sequence[str]], *, grace_s: float = 10.0, poll_s: flo
     err.flush()
 
   stop_requested = threading.Event()
+  preempted_seen = False
 
   def forward(signum, frame):
     del frame
@@ -132,8 +140,15 @@ def run(commands: Sequence[Sequence[str]], *, grace_s: float = 10.0, poll_s: flo
       codes = [p.poll() for p in procs]
       if all(c is not None for c in codes):
         break
+      preempted = [i for i, c in enumerate(codes) if c == PREEMPTED]
+      if preempted and not preempted_seen:
+        preempted_seen = True
+        with lock:
+          err.write(f'{PROGRAM}: process {preempted[0]} of {len(procs)} was preempted (exit '
+                    f'{PREEMPTED}); waiting for the others to save the same step.\n')
+          err.flush()
       if not stop_requested.is_set():
-        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED)]
         if failed:
           i = failed[0]
           failure = Failure(i, procs[i].pid, codes[i])

@@ -56,6 +56,20 @@ def test_a_failure_stops_the_others_and_is_named_in_one_line():
   assert last.endswith(') exited with code 3; stopped the other 1.')
 
 
+def test_a_preempted_process_is_no_failure_and_the_others_finish_saving():
+  """Exit 143 on its own (a SIGTERM to that process alone): the others are saving the same
+  step (JAX's preemption service), so the runner waits for them instead of stopping them."""
+  out, err = io.StringIO(), io.StringIO()
+  code = multiprocess.run([_python('import sys; sys.exit(143)'),
+                           _python("import sys, time; time.sleep(3); print('saved', flush=True); "
+                                   'sys.exit(143)')], grace_s=0.5, out=out, err=err)
+  assert code == 143
+  assert out.getvalue().splitlines() == ['[1] saved']  # Not stopped after the grace period.
+  lines = err.getvalue().splitlines()
+  assert lines[-1] == ('launch.multiprocess: process 0 of 2 was preempted (exit 143); waiting '
+                       'for the others to save the same step.')
+
+
 def test_a_process_deaf_to_sigterm_is_killed_after_the_grace_period():
   err = io.StringIO()
   deaf = _python('''
