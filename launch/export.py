@@ -13,8 +13,10 @@ whole generate function serialized with jax.export; launch.generate --workdir=DI
 The jax_export flags choose what the artifact bakes in (`mtp/export/jax_artifact.py`): the
 most tokens per call, the speculative tree, and a sampling setting besides greedy.
 
-DIR must not exist: it is written to a temporary sibling and renamed when complete. The
-summary (sizes, timings) is printed as JSON and kept in DIR/export.json. Bad input fails with
+W and DIR may be on Cloud Storage (gs://bucket/...). DIR must not exist: it is written to a
+temporary sibling and renamed when complete (for a gs:// DIR: to a local directory, then
+uploaded, export.json last). The summary (sizes, timings) is printed as JSON and kept in
+DIR/export.json. Bad input fails with
 one line on stderr and exit code 1 (2 for a bad flag): see launch/cli.py.
 """
 
@@ -31,9 +33,10 @@ from mtp.decode import trees
 
 FLAGS = flags.FLAGS
 PROGRAM = 'launch.export'
-flags.DEFINE_string('workdir', None, 'Trained workdir (heads on a frozen base are merged).')
+flags.DEFINE_string('workdir', None, 'Trained workdir, local or gs:// (heads on a frozen base '
+                    'are merged).')
 flags.DEFINE_string('format', None, 'params, hf or jax_export.')
-flags.DEFINE_string('output', None, 'Directory to create (it must not exist).')
+flags.DEFINE_string('output', None, 'Directory to create, local or gs:// (it must not exist).')
 flags.DEFINE_string('dtype', None, 'Parameter dtype in the export: float32 (default) or '
                     'bfloat16; float16 too for hf.')
 # jax_export only.

@@ -117,13 +117,21 @@ def test_an_output_under_a_file_is_named_in_one_line(workdir, tmp_path, monkeypa
 
 @pytest.mark.parametrize('flag', ['output', 'workdir'])
 @flagsaver.flagsaver
-def test_a_url_is_refused_by_name_not_folded_into_a_local_path(workdir, tmp_path, monkeypatch,
-                                                               flag):
+def test_a_url_is_never_folded_into_a_local_path(workdir, tmp_path, monkeypatch, capsys,
+                                                 gcs_bucket, flag):
+  """gs:// paths reach Cloud Storage (here the local emulator): an export from a local
+  workdir lands on the bucket; a workdir missing there is named as the URL it is."""
+  from mtp.export import manifest  # pylint: disable=import-outside-toplevel
   monkeypatch.delenv('MTP_TRACEBACK', raising=False)
   monkeypatch.chdir(tmp_path)  # pathlib would fold gs://b/x into ./gs:/b/x here.
-  argv = {'workdir': str(workdir), 'output': 'out', flag: 'gs://b/x'}
-  with pytest.raises(SystemExit) as exit_info:
+  url = f'{gcs_bucket}/x'
+  argv = {'workdir': str(workdir), 'output': 'out', flag: url}
+  if flag == 'output':
     _run(['--format=params', *(f'--{k}={v}' for k, v in argv.items())])
-  assert exit_info.value.code == (f'launch.export: --{flag}=gs://b/x: gs:// paths are not '
-                                  'supported here yet; use a local path'), exit_info.value.code
+    assert json.loads(capsys.readouterr().out)['output'] == url
+    assert manifest.read(url)['format'] == 'params'
+  else:
+    with pytest.raises(SystemExit) as exit_info:
+      _run(['--format=params', *(f'--{k}={v}' for k, v in argv.items())])
+    assert exit_info.value.code == f'launch.export: workdir {url} does not exist'
   assert not list(tmp_path.iterdir())  # No gs: directory, no out.

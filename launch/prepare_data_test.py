@@ -12,7 +12,6 @@ from absl.testing import flagsaver
 from launch import prepare_data
 from mtp.checkpoint import workdir_lock
 from mtp.data import shards
-from mtp.data import tokenizer as tokenizer_lib
 
 FLAGS = flags.FLAGS
 

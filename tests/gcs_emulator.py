@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 from http import HTTPStatus
-import os
 import sys
 
 # gcsfs's experimental zonal/hierarchical-namespace support asks each bucket's type through the

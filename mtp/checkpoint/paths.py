@@ -8,7 +8,7 @@ when TensorFlow is installed, else through fsspec (`pip install gcsfs`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 import json
 import os
 import pathlib
@@ -204,6 +204,28 @@ def remove_tree(path: str | os.PathLike) -> None:
   path = epath.Path(path)
   if path.exists():
     path.rmtree()
+
+
+def list_files(directory: str | os.PathLike, prefix: str = ''
+               ) -> Iterator[tuple[epath.Path, str]]:
+  """(file, its path relative to `directory`) for every file under `directory`, local or on
+  an object store. Not epath's rglob (it refuses `**` on gs://) nor walk (whose directories
+  come back without their `gs://`)."""
+  for child in sorted(epath.Path(directory).iterdir()):
+    if child.is_dir():
+      yield from list_files(child, f'{prefix}{child.name}/')
+    else:
+      yield child, prefix + child.name
+
+
+def staging_parent(output: str | os.PathLike) -> pathlib.Path:
+  """Where a directory bound for `output` is written first, with local file APIs: beside a
+  local `output` (a rename then commits it), or for a URL under this host's cache, named after
+  the URL's parent (then uploaded: an object store has no rename)."""
+  if not is_url(output):
+    return pathlib.Path(os.path.abspath(os.fspath(output))).parent
+  parent = os.fspath(epath.Path(output).parent).replace('://', '/').strip('/')
+  return host_cache_root() / 'staging' / parent
 
 
 def local_copy(path: str | os.PathLike) -> pathlib.Path:

@@ -125,7 +125,7 @@ def _write(corpus: sources.Source, output: os.PathLike, tokenizer: str, vocab_si
   """`prepare` once the output's lock is held: the staging directory, filled and renamed."""
   tok = _tokenizer(tokenizer, corpus, valid_fraction, vocab_size, bpe_sample_bytes)
   _remove_stale_staging(output)
-  staging = _staging_parent(output) / f'.{output.name}{STAGING_MARK}{os.getpid()}'
+  staging = paths.staging_parent(output) / f'.{output.name}{STAGING_MARK}{os.getpid()}'
   staging.mkdir(parents=True)
   try:
     start = time.perf_counter()
@@ -301,15 +301,9 @@ def _tokenize_chunk(chunk: list[tuple[str, sources.Document]]
   return docs, {'binary_files': len(reader.binary), 'undecodable_files': len(reader.undecodable)}
 
 
-def _staging_parent(output: os.PathLike) -> pathlib.Path:
-  """Where the staging directory is written: beside a local `output` (a rename commits it), or
-  under this host's cache for one on an object store (uploaded then)."""
-  return pathlib.Path(paths.local_dir(epath.Path(output).parent, ''))
-
-
 def _remove_stale_staging(output: os.PathLike) -> None:
   """Staging directories a killed run left for `output` (stale: the lock is ours)."""
-  parent = _staging_parent(output)
+  parent = paths.staging_parent(output)
   if not parent.is_dir():
     return
   for stale in parent.glob(f'.{epath.Path(output).name}{STAGING_MARK}*'):

@@ -4,7 +4,7 @@ Every export directory has one. `mtp.load` and `launch.generate` read it to tell
 from a training workdir, and the jax_export runtime reads its artifact section. It records:
   format        'params' | 'hf' | 'jax_export'
   dtype         the floating-point type the parameters were written in
-  source        the workdir exported (absolute path) and its checkpoint step
+  source        the workdir exported (absolute path, or URL) and its checkpoint step
   created       UTC time; jax_version, mtp_version
   <format>      the format's own summary (the jax_export programs, sizes, ...)
 """
@@ -17,6 +17,8 @@ import pathlib
 from typing import Any
 
 from etils import epath
+
+from mtp.checkpoint import paths
 
 FILENAME = 'export.json'
 
@@ -46,5 +48,8 @@ def write(directory: pathlib.Path, record: dict[str, Any]) -> None:
 
 
 def directory_bytes(directory: str | os.PathLike) -> int:
-  """Bytes of every regular file under `directory`."""
-  return sum(p.stat().st_size for p in pathlib.Path(directory).rglob('*') if p.is_file())
+  """Bytes of every regular file under `directory`, local or on an object store (the
+  training checkpoint a params export is compared with may be on one)."""
+  if not paths.is_url(directory):
+    return sum(p.stat().st_size for p in pathlib.Path(directory).rglob('*') if p.is_file())
+  return sum(path.stat().length for path, _ in paths.list_files(directory))

@@ -1,6 +1,7 @@
 """Runs a jax_export directory: deserialize the programs, call them. No model code.
 
-This module imports JAX, numpy, safetensors, the tokenizer, the tree helpers
+This module imports JAX, numpy, safetensors, the tokenizer, the paths helpers
+(`checkpoint/paths.py`, etils.epath: the directory may be on an object store), the tree helpers
 (`decode/trees.py`, plain numpy), the decoders' registry (`decode/decoders.py`) and the finish
 reasons (`decode/finish.py`), never `mtp.model` nor the decode loop: what runs is the StableHLO
 in the `*.jax_exported` files (`jax_artifact.py` documents their contract).
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
+import os
 import time
 from typing import Any
 
+from etils import epath
 import jax
 import ml_collections
 import numpy as np
 
+from mtp.checkpoint import paths
 from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import decoders as decoders_lib
 from mtp.decode import finish
@@ -101,7 +104,8 @@ class LoadedArtifact:
   """A jax_export directory, loaded: what `mtp.load` returns for one.
 
   Attributes:
-    tokenizer, config, step, workdir: as `checkpoint.loading.LoadedModel`'s (workdir: the export).
+    tokenizer, config, step, workdir: as `checkpoint.loading.LoadedModel`'s (workdir: the
+      export, absolute or a URL).
     manifest: `export.json`.
     params: {name: device array}, the programs' first argument.
     programs: every program of the artifact.
@@ -110,7 +114,7 @@ class LoadedArtifact:
   tokenizer: tokenizer_lib.Tokenizer
   config: ml_collections.ConfigDict
   step: int
-  workdir: pathlib.Path
+  workdir: epath.Path
   manifest: dict[str, Any]
   params: dict[str, jax.Array]
   programs: list[Program]
@@ -223,21 +227,25 @@ def _choices(tree, num_heads: int) -> set[tuple[int, ...]]:
     raise ArtifactMismatchError(str(e)) from None
 
 
-def is_artifact(directory: str | pathlib.Path) -> bool:
+def is_artifact(directory: str | os.PathLike) -> bool:
   """Whether `directory` is a jax_export directory (its manifest says so)."""
   record = manifest_lib.read(directory)
   return record is not None and record['format'] == FORMAT
 
 
-def load(directory: str | pathlib.Path, device: jax.Device | None = None) -> LoadedArtifact:
+def load(directory: str | os.PathLike, device: jax.Device | None = None) -> LoadedArtifact:
   """Loads a jax_export directory: manifest, tokenizer, parameters, programs.
+
+  `directory` may be a URL (`gs://bucket/export`): its files are read through etils.epath,
+  the parameters from a local copy (`paths.local_copy`, fetched once per host), as
+  safetensors reads local files only.
 
   Raises:
     ValueError: it is not a jax_export directory, or a file is missing or corrupt (named).
   """
   from safetensors import numpy as safetensors_numpy  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
-  directory = pathlib.Path(directory)
+  directory = paths.as_path(directory)
   manifest = manifest_lib.read(directory)
   if manifest is None or manifest['format'] != FORMAT:
     raise ValueError(f'{directory} is not a jax_export directory (its {manifest_lib.FILENAME} '
@@ -247,7 +255,7 @@ def load(directory: str | pathlib.Path, device: jax.Device | None = None) -> Loa
   config = ml_collections.ConfigDict(json.loads((directory / 'config.json').read_text()))
   params_path = directory / artifact['params']['file']
   try:
-    arrays = safetensors_numpy.load_file(str(params_path))
+    arrays = safetensors_numpy.load_file(str(paths.local_copy(params_path)))
   except Exception as e:  # pylint: disable=broad-except  # safetensors raises its own types.
     raise ValueError(f'{params_path} is missing or corrupt ({type(e).__name__}: {e})') from e
   device = device or jax.devices()[0]

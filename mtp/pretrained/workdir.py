@@ -8,16 +8,30 @@ of the source: path, format, name, and each file's size and sha256), `tokenizer.
 Orbax checkpoint at step 0 holding the parameters only. Everything is read and checked before
 anything is written; the workdir is then built in a temporary sibling directory and renamed into
 place, so a failed import leaves nothing behind and an existing workdir is never touched.
+
+Source and workdir may be URLs (`gs://bucket/...`). The readers take local files (memory maps,
+the tokenizers library), so a source on an object store is read from local copies
+(`paths.local_copy`: fetched once per host, again only when the object changes): a GGUF file,
+or a Hugging Face directory's JSON, Jinja and safetensors files (what `hf_directory` reads;
+PyTorch `.bin` weights and the like are not fetched). An object store has no rename: a workdir
+there is written in place, the checkpoint first (Orbax writes it there itself), then the
+tokenizer, and `config.json`, which makes it an mtp workdir, last; a failed import removes what
+it wrote.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+import contextlib
 import hashlib
 import os
 import pathlib
 import shutil
+import tempfile
 from typing import Any
 
+from absl import logging
+from etils import epath
 import jax
 import ml_collections
 import numpy as np
@@ -37,12 +51,65 @@ from mtp.pretrained.llama import PretrainedError
 GGUF_MAGIC = b'GGUF'
 
 
-def resolve_source(source: str | os.PathLike) -> pathlib.Path:
-  """A path as given, or the cached file behind an alias ('smollm2', fetched if needed)."""
-  path = paths.local_path(source, '--source')  # Local only: a URL is refused by name.
+# The files of a Hugging Face directory on an object store that an import fetches: those
+# `hf_directory` reads (config, tokenizer, index and generation JSON, chat template, weights).
+_HF_SUFFIXES = ('.json', '.jinja', '.safetensors')
+
+
+def resolve_source(source: str | os.PathLike) -> pathlib.Path | epath.Path:
+  """A path as given (a URL as an epath.Path, never folded into a local path), or the cached
+  file behind an alias ('smollm2', fetched if needed)."""
+  if paths.is_url(source):
+    return _url(source, '--source')
+  path = pathlib.Path(source)
   if str(source) == smollm2.ALIAS and not path.exists():
     return smollm2.fetch_gguf()
   return path
+
+
+def _url(path: str | os.PathLike, what: str) -> epath.Path:
+  """A URL a component here can read and write (`paths.path_or_url`), else PretrainedError."""
+  try:
+    return paths.path_or_url(path, what)
+  except ValueError as e:
+    raise PretrainedError(str(e)) from None
+
+
+@contextlib.contextmanager
+def local_source(source: str | os.PathLike) -> Iterator[pathlib.Path]:
+  """`source` as a local path, for readers of local files only.
+
+  A local path is itself. A file at a URL (GGUF) is its local copy (`paths.local_copy`). A
+  Hugging Face directory at a URL is a temporary local directory of the same name, under
+  `paths.host_cache_root()/importing/`, of links to local copies of its `_HF_SUFFIXES` files:
+  exactly the files there now (a cached copy of a file since removed there is not seen), removed on exit.
+
+  Raises:
+    PretrainedError: nothing is at the URL.
+  """
+  if not paths.is_url(source):
+    yield pathlib.Path(source)
+    return
+  remote = epath.Path(source)
+  if remote.is_file():
+    yield paths.local_copy(remote)
+    return
+  if not remote.is_dir():
+    raise PretrainedError(f'{source} does not exist: give a .gguf file or a Hugging Face model '
+                          'directory.')
+  parent = paths.host_cache_root() / 'importing'
+  parent.mkdir(parents=True, exist_ok=True)
+  root = pathlib.Path(tempfile.mkdtemp(prefix=f'{os.getpid()}-', dir=parent))
+  try:
+    local = root / remote.name  # hf_directory names a model without `_name_or_path` after it.
+    local.mkdir()
+    for file, relative in paths.list_files(remote):
+      if file.name.endswith(_HF_SUFFIXES):
+        (local / relative).parent.mkdir(parents=True, exist_ok=True)
+        (local / relative).symlink_to(paths.local_copy(file))
+    yield local
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def read_source(path: str | os.PathLike) -> llama.Checkpoint:
@@ -61,7 +128,7 @@ def read_source(path: str | os.PathLike) -> llama.Checkpoint:
   return gguf_file.read(path)
 
 
-def check_target(workdir: pathlib.Path) -> None:
+def check_target(workdir: pathlib.Path | epath.Path) -> None:
   if workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
     raise PretrainedError(f'{workdir} already exists and is not empty; choose a new --workdir '
                           '(nothing was written).')
@@ -120,30 +187,54 @@ def make_params(checkpoint: llama.Checkpoint, config: ml_collections.ConfigDict)
   return state
 
 
-def import_weights(source: str | os.PathLike, workdir: str | os.PathLike) -> pathlib.Path:
+def import_weights(source: str | os.PathLike, workdir: str | os.PathLike
+                   ) -> pathlib.Path | epath.Path:
   """Writes a workdir from a GGUF file, a Hugging Face directory or an alias ('smollm2').
 
+  Args:
+    source: a local path or a URL (`gs://...`), or an alias.
+    workdir: the new workdir, a local path or a URL.
+
   Returns:
-    The workdir's path.
+    The workdir's path: absolute, or an epath.Path of the URL.
 
   Raises:
     PretrainedError: unreadable or unsupported weights, or an existing non-empty workdir;
       nothing is written then.
     workdir_lock.WorkdirLockedError: another process trains or imports into `workdir`.
   """
-  # Local files only, for now: a URL is refused by name, never folded into a local path.
-  paths.local_path(source, '--source')
-  workdir = paths.local_path(workdir, '--workdir').absolute()
+  remote = paths.is_url(workdir)
+  workdir = _url(workdir, '--workdir') if remote else pathlib.Path(workdir).absolute()
   check_target(workdir)
-  checkpoint = read_source(resolve_source(source))
-  config = make_config(checkpoint)
+  source = resolve_source(source)
+  with local_source(source) as local:
+    checkpoint = read_source(local)
+    if paths.is_url(source):  # The record names the source as given, not this host's copy.
+      checkpoint.source['path'] = os.fspath(source)
+    config = make_config(checkpoint)  # Hashes the (local copies of the) source's files.
   params = make_params(checkpoint, config)
   checkpoint.tensors = {}  # The parameters hold the weights now.
 
-  workdir.parent.mkdir(parents=True, exist_ok=True)
+  if not remote:  # An object store has no directories to make.
+    workdir.parent.mkdir(parents=True, exist_ok=True)
   with workdir_lock.WorkdirLock(workdir):  # No trainer nor other import writes there meanwhile.
-    _write(workdir, config, checkpoint.tokenizer, params)
+    if remote:
+      _write_in_place(workdir, config, checkpoint.tokenizer, params)
+    else:
+      _write(workdir, config, checkpoint.tokenizer, params)
   return workdir
+
+
+def _save(workdir: pathlib.Path | epath.Path, config: ml_collections.ConfigDict, tokenizer,
+          params: nnx.State) -> None:
+  """The checkpoint, the tokenizer and, last, config.json (which makes it an mtp workdir)."""
+  checkpointer = checkpointing.Checkpointer(workdir, max_to_keep=1, async_save=False)
+  try:
+    checkpointer.save_params(0, params)
+  finally:
+    checkpointer.close()
+  tokenizer.save(workdir)
+  checkpointing.save_config(workdir, config)
 
 
 def _write(workdir: pathlib.Path, config: ml_collections.ConfigDict, tokenizer,
@@ -153,17 +244,27 @@ def _write(workdir: pathlib.Path, config: ml_collections.ConfigDict, tokenizer,
   shutil.rmtree(staging, ignore_errors=True)
   try:
     staging.mkdir()
-    checkpointing.save_config(staging, config)
-    tokenizer.save(staging)
-    checkpointer = checkpointing.Checkpointer(staging, max_to_keep=1, async_save=False)
-    try:
-      checkpointer.save_params(0, params)
-    finally:
-      checkpointer.close()
+    _save(staging, config, tokenizer, params)
     check_target(workdir)  # Still free? An empty directory is replaced.
     if workdir.exists():
       workdir.rmdir()
     os.rename(staging, workdir)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
+    raise
+
+
+def _write_in_place(workdir: epath.Path, config: ml_collections.ConfigDict, tokenizer,
+                    params: nnx.State) -> None:
+  """Writes a workdir on an object store where it stands (a rename there would copy every
+  object again); a failure removes what was written."""
+  check_target(workdir)  # Still free now that the lock is ours: what is there is this import's.
+  try:
+    _save(workdir, config, tokenizer, params)
+  except BaseException:
+    try:  # Best effort: the error that stopped the import (the network, as a rule) is the one
+      paths.remove_tree(workdir)  # to report; what stays behind has no config.json.
+    except Exception:  # pylint: disable=broad-except
+      logging.warning('could not remove the partial import at %s: remove it by hand', workdir,
+                      exc_info=True)
     raise
