@@ -55,7 +55,8 @@ def test_training_streams_the_dataset_and_resumes_exactly(dataset, tmp_path):
 
 
 def test_bad_sources_fail_before_training(dataset, tmp_path):
-  with pytest.raises(shards.DatasetError, match=r'Dataset directory .*missing does not exist'):
+  with pytest.raises(shards.DatasetError,
+                     match=r'^config\.data\.source=.*missing: the dataset directory does not'):
     _train(tmp_path / 'w', tmp_path / 'missing')
   workdir = tmp_path / 'bpe_workdir'
   tokenizer_lib.train_bpe(['def f(x): return x'] * 50, 262).save(workdir)
