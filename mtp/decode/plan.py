@@ -244,6 +244,9 @@ class Options:
 def _heads(o: Options):
   """The heads' drafter (static or dynamic tree) and its data (draft vocabulary ids)."""
   heads = o.cfg.mtp_num_heads
+  if heads and not o.cfg.family.DRAFTS:
+    raise ValueError(f'model.mtp_head_type={o.cfg.mtp_head_type!r} heads train but do not '
+                     'draft yet: decode with lookup or autoregressively')
   dynamic = o.tree == trees_lib.DYNAMIC or bool(o.tree_budget)
   given = None  # Ids given as they are (an array), not counted from the corpus.
   if o.draft_vocab is not None and np.ndim(o.draft_vocab) == 1:
@@ -300,14 +303,20 @@ DRAFTERS: dict[str, Callable[[Options], tuple[drafters_lib.Drafter, Any]]] = {
 }
 
 
+def _heads_draft(cfg) -> bool:
+  """Whether the model's heads can draft (some heads, of a family that implements drafting)."""
+  return bool(cfg.mtp_num_heads) and cfg.family.DRAFTS
+
+
 def _drafter_names(o: Options, drafters: Sequence[str] | None) -> list[str]:
   """The drafters to mix, in block order: the decoder's own unless named, with `lookup`
   added (lookup > 0) or removed (lookup 0); heads only where the model has them."""
   spec = o.decoder
   if drafters is None:
     names = list(spec.drafters) if spec.drafts else []
-    if not o.cfg.mtp_num_heads and 'heads' in names:
-      names.remove('heads')  # A model without heads drafts by lookup alone.
+    if not _heads_draft(o.cfg) and 'heads' in names:
+      # A model without heads (or with heads that cannot draft yet) drafts by lookup alone.
+      names.remove('heads')
       if 'lookup' not in names and spec.drafts:
         names.append('lookup')
   else:

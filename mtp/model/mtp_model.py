@@ -17,7 +17,7 @@ Everything family-specific sits behind the `mtp.model.heads.HeadFamily` protocol
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import flax.struct
 import jax
@@ -81,12 +81,25 @@ class ModelConfig:
     """The family's options: its defaults, overridden by `head_options`."""
     return {**self.family.OPTIONS, **dict(self.head_options)}
 
+  @property
+  def trunk_layer_inputs(self) -> tuple[int, ...]:
+    """Trunk layers whose inputs the heads' training forward reads (`HeadFamily.
+    trunk_layer_inputs`); () without heads."""
+    if not self.mtp_num_heads:
+      return ()
+    return tuple(self.family.trunk_layer_inputs(self.trunk, self.mtp_num_heads, self.options))
+
   def validate(self) -> None:
     self.trunk.validate()
     family = self.family  # Raises for an unknown name.
     if self.mtp_num_heads < 0:
       raise ValueError(f'model.mtp_num_heads must be >= 0, got {self.mtp_num_heads}.')
     family.validate_options(self.options)
+    layers = self.trunk_layer_inputs  # Raises for options that do not fit the trunk.
+    if any(not 0 <= i < self.trunk.num_layers for i in layers):
+      raise ValueError(f'model.mtp_head_type={self.mtp_head_type!r} reads the inputs of trunk '
+                       f'layers {list(layers)}; the trunk has layers 0..'
+                       f'{self.trunk.num_layers - 1} (model.num_layers).')
 
 
 @flax.struct.dataclass
@@ -166,27 +179,46 @@ class MTPModel(nnx.Module):
     """
     if segment_ids is None:
       segment_ids = jnp.ones(tokens.shape, jnp.int32)
-    hidden, _ = self.trunk(tokens, positions, segment_ids)
-    return self.outputs_from_trunk(hidden, tokens, positions, segment_ids)
+    hidden, layer_inputs = self.trunk.train_forward(tokens, positions, segment_ids,
+                                                    self.cfg.trunk_layer_inputs)
+    return self.outputs_from_trunk(hidden, tokens, positions, segment_ids, layer_inputs)
 
   def outputs_from_trunk(self, hidden: Array, tokens: Array, positions: Array,
-                         segment_ids: Array) -> Array:
+                         segment_ids: Array, layer_inputs: Mapping[int, Array] | None = None
+                         ) -> Array:
     """The training forward after the trunk: its final norm, then the heads.
 
-    Training heads on a frozen trunk can cache the trunk's `hidden` once and start here.
+    Training heads on a frozen trunk can cache the trunk's `hidden` once and start here
+    (families that read trunk layer inputs, `ModelConfig.trunk_layer_inputs`, need those too).
 
     Args:
       hidden: [B, T, D] the trunk's last hidden state (before the final norm).
       tokens, positions, segment_ids: [B, T] as for `__call__`.
+      layer_inputs: {i: [B, T, D]} the inputs of the trunk layers the heads read
+        (`Transformer.train_forward`); needed only by families that ask for some.
 
     Returns:
       [K+1, B, T, D] as `__call__`.
+
+    Raises:
+      ValueError: the heads read trunk layer inputs that `layer_inputs` lacks.
     """
     normed = self.trunk.final_norm(hidden)
     outputs = [normed]
     if self.heads is not None:
       mask = transformer.training_mask(segment_ids)
-      outputs += self.heads(self.trunk, hidden, normed, tokens, positions, mask)
+      # Passed only to families that ask: the others' `__call__` has no such argument.
+      extra = {}
+      needed = self.cfg.trunk_layer_inputs
+      if needed:
+        missing = [i for i in needed if layer_inputs is None or i not in layer_inputs]
+        if missing:
+          raise ValueError(
+              f'model.mtp_head_type={self.cfg.mtp_head_type!r} reads the inputs of trunk '
+              f'layers {missing}, which were not given: a cached trunk state '
+              '(distill.cache_trunk_states) holds the last hidden state only.')
+        extra['layer_inputs'] = {i: layer_inputs[i] for i in needed}
+      outputs += self.heads(self.trunk, hidden, normed, tokens, positions, mask, **extra)
     return jnp.stack(outputs)
 
   def step(self, tokens: Array, positions: Array, cache: kv_cache_lib.KVCache,

@@ -309,16 +309,20 @@ def stacked_blocks(cfg: TransformerConfig, *, rngs: nnx.Rngs) -> 'Block':
 
 def scan_blocks(blocks: 'Block', x: Array, positions: Array, mask: Array,
                 cache: kv_cache_lib.KVCache | None, lengths: Array | None,
-                num_layers: int, remat: str = 'none'
+                num_layers: int, remat: str = 'none', layers: tuple[int, int] | None = None
                 ) -> tuple[Array, list[tuple[Array, Array]] | None]:
   """Runs stacked `blocks` (see `stacked_blocks`) over their layer axis.
 
   Without a cache (training, evaluation): one `jax.lax.scan`, its body rematerialised by
-  `remat`'s policy (`_TRUNK_CHECKPOINT_POLICIES`). With a cache, layer i reads and writes cache
-  layer i (the trunk's layers come first), one layer after another; the updated (keys, values)
-  come back per layer, as `run_blocks` returns them.
+  `remat`'s policy (`_TRUNK_CHECKPOINT_POLICIES`), over layers [start, stop) = `layers` (all
+  of them when None). With a cache, layer i reads and writes cache layer i (the trunk's layers
+  come first), one layer after another; the updated (keys, values) come back per layer, as
+  `run_blocks` returns them.
   """
   graphdef, state = nnx.split(blocks)
+  if cache is None and layers is not None and tuple(layers) != (0, num_layers):
+    start, stop = layers
+    state = jax.tree.map(lambda leaf: leaf[start:stop], state)
 
   def body(h, layer):
     layer_state, layer_cache = layer
@@ -398,17 +402,64 @@ class Transformer(nnx.Module):
       (hidden [B, T, D] before the final norm, updated cache or None). Only the trunk's first
       `num_layers` cache layers are used and returned updated; others pass through.
     """
-    x = self.embed(tokens)
     if cache is None:
-      if segment_ids is None:
-        segment_ids = jnp.ones(tokens.shape, jnp.int32)
-      x, _ = self._run_blocks(x, positions, training_mask(segment_ids), None, None)
-      return x, None
+      return self.train_forward(tokens, positions, segment_ids)[0], None
+    x = self.embed(tokens)
     t = tokens.shape[1]
     if block_mask is None:
       block_mask = jnp.tril(jnp.ones((t, t), bool))
     x, updated = self._run_blocks(x, positions, block_mask, cache, lengths)
     return x, replace_layers(cache, 0, updated)
+
+  def train_forward(self, tokens: Array, positions: Array, segment_ids: Array | None = None,
+                    layer_inputs: Sequence[int] = ()) -> tuple[Array, dict[int, Array]]:
+    """The training pass (no cache), also returning the inputs of some layers.
+
+    Args:
+      tokens, positions, segment_ids: as `__call__` (segment_ids None: one document per row).
+      layer_inputs: indices i in [0, L) of layers whose input (the residual stream entering
+        layer i, [B, T, D]) to return; head families ask for them
+        (`HeadFamily.trunk_layer_inputs`).
+
+    Returns:
+      (hidden [B, T, D] before the final norm, {i: layer i's input [B, T, D]}). The layers run
+      in segments between the requested inputs (scanned: one scan per segment), which
+      computes the same values as one pass.
+    """
+    num_layers = self.cfg.num_layers
+    wanted = sorted(set(int(i) for i in layer_inputs))
+    if wanted and not 0 <= wanted[0] <= wanted[-1] < num_layers:
+      raise ValueError(f'Trunk layer inputs {wanted} asked for; the trunk has layers 0..'
+                       f'{num_layers - 1} (model.num_layers={num_layers}).')
+    if segment_ids is None:
+      segment_ids = jnp.ones(tokens.shape, jnp.int32)
+    mask = training_mask(segment_ids)
+    x = self.embed(tokens)
+    inputs, start = {}, 0
+    for stop in wanted + [num_layers]:
+      if stop > start:
+        x = self._run_layers(x, positions, mask, start, stop)
+      if stop < num_layers:
+        inputs[stop] = x
+      start = stop
+    return x, inputs
+
+  def layer(self, i: int) -> 'Block':
+    """Layer i as a `Block` (scanned: a module over the stacked weights' slice i, which shares
+    them in the traced computation: gradients reach the stack)."""
+    if not self.cfg.scan_layers:
+      return self.blocks[i]
+    graphdef, state = nnx.split(self.blocks)
+    return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf[i], state))
+
+  def _run_layers(self, x, positions, mask, start: int, stop: int):
+    """Layers [start, stop) of the training pass (no cache)."""
+    if self.cfg.scan_layers:
+      return scan_blocks(self.blocks, x, positions, mask, None, None, self.cfg.num_layers,
+                         self.cfg.remat, layers=(start, stop))[0]
+    remat = self.cfg.remat if self.cfg.remat in _TRUNK_CHECKPOINT_POLICIES else False
+    blocks = [self.blocks[i] for i in range(start, stop)]
+    return run_blocks(blocks, x, positions, mask, None, None, remat=remat)[0]
 
   def _run_blocks(self, x, positions, mask, cache, lengths):
     """The layers in order, scanned or unrolled; remat'ed by `cfg.remat` without a cache."""

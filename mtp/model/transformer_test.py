@@ -1,11 +1,15 @@
 """Trunk: cached forward equals the full forward; causal and document masking."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from mtp.model import kv_cache
+from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.model import transformer
 
@@ -198,3 +202,24 @@ def test_chunked_attention_equals_attention_over_the_whole_cache():
       jnp.broadcast_to(block, (2, 3, 3)), jnp.clip(relative, 0, 2).repeat(3, axis=1), axis=2))
   want = jax.nn.dot_product_attention(q, keys, values, mask=visible[:, None])
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_train_forward_returns_layer_inputs_and_the_same_hidden_state(scan):
+  cfg = testing.tiny_config(num_layers=3)
+  cfg = dataclasses.replace(cfg, trunk=dataclasses.replace(cfg.trunk, scan_layers=scan))
+  trunk = mtp_model.MTPModel(cfg, rngs=nnx.Rngs(0)).trunk
+  tokens = jnp.asarray(testing.random_tokens((2, 7), 61))
+  positions = _positions(2, 7)
+  hidden, _ = trunk(tokens, positions)
+  split, inputs = trunk.train_forward(tokens, positions, None, (2, 0))
+  np.testing.assert_array_equal(split, hidden)  # Run in segments, bit for bit the same.
+  assert sorted(inputs) == [0, 2]
+  np.testing.assert_array_equal(inputs[0], trunk.embed(tokens))
+  mask = transformer.training_mask(jnp.ones((2, 7), jnp.int32))
+  x = inputs[2]
+  x, _ = trunk.layer(2)(x, positions, mask)
+  np.testing.assert_allclose(x, hidden, atol=1e-6, rtol=1e-6)
+  with pytest.raises(ValueError, match=r'Trunk layer inputs \[3\] asked for; the trunk has '
+                                       r'layers 0..2'):
+    trunk.train_forward(tokens, positions, None, (3,))

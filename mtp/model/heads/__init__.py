@@ -8,6 +8,14 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
   * its parameters, built from the trunk's config, K and its own config options (`OPTIONS`:
     `config.model` keys with defaults, checked by `validate_options`);
   * its training forward (`__call__`): the trunk's states -> K arrays [B, T, D];
+  * the trunk layer inputs that forward reads besides the last hidden state
+    (`trunk_layer_inputs`, none by default): `MTPModel` then has the trunk return the residual
+    stream entering those layers (`Transformer.train_forward`) and passes them to `__call__`
+    as `layer_inputs` (a family that asks for none is called without that argument). Such a
+    family may also rerun trunk layers on its own tokens: `trunk.layer(i)` is layer i's
+    `Block`, sharing the trunk's weights. A cached trunk state
+    (`distill.cache_trunk_states`) holds the last hidden state only, so those families cannot
+    train on one (`mtp.train.config_checks` refuses the combination);
   * its KV-cache layers (`num_cache_layers`), which follow the trunk's layers in the cache;
   * whether it runs inside the verification pass (`RUNS_IN_VERIFICATION`; it then writes all
     of its cache layers there) and its part of that pass (`verify`), which returns the
@@ -24,7 +32,8 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
 
 How to add a head family: write `mtp/model/heads/<name>.py` with one `HeadFamily` subclass that
 implements the methods above (see `medusa.py` for the smallest, `sequential.py` for one that
-drafts autoregressively with its own cache layers, `eagle.py` for one layer rolled forward),
+drafts autoregressively with its own cache layers, `eagle.py` for one layer rolled forward,
+`streaming.py` for one that reads trunk layer inputs and reruns the trunk's top layers),
 then add one line to `FAMILIES` below.
 `config.model.mtp_head_type=<name>` then trains it (`MTPModel.__call__`) and drafts with it
 (`MTPModel.step` / `draft_logits`); nothing else names families. Give the module's list of
@@ -160,6 +169,9 @@ class HeadFamily(nnx.Module):
   # Whether `verify` runs inside the verification pass (and writes all the family's cache
   # layers there); otherwise the features are the trunk's own states and `verify` is free.
   RUNS_IN_VERIFICATION: ClassVar[bool] = False
+  # Whether `verify` and `draft` are implemented: a family that only trains so far (False)
+  # decodes like a model without heads (by lookup under `auto`), exactly.
+  DRAFTS: ClassVar[bool] = True
 
   def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
                options: Mapping[str, Any], *, rngs: nnx.Rngs):
@@ -193,6 +205,18 @@ class HeadFamily(nnx.Module):
     raise flops.UnknownHeadFamily(f'No FLOP count for head family {name!r} ({cls.__module__}): '
                                   'it does not implement HeadFamily.train_flops.')
 
+  @classmethod
+  def trunk_layer_inputs(cls, trunk_cfg: transformer.TransformerConfig, num_heads: int,
+                         options: Mapping[str, Any]) -> tuple[int, ...]:
+    """Trunk layers i in [0, L) whose inputs [B, T, D] (the residual stream entering layer i)
+    the training forward reads, as `__call__(..., layer_inputs={i: ...})`; () by default.
+
+    `ModelConfig.validate` calls it: raise ValueError naming an option (`model.<key>`) that
+    does not fit the trunk (e.g. more layers than L).
+    """
+    del trunk_cfg, num_heads, options
+    return ()
+
   @property
   def num_cache_layers(self) -> int:
     """KV-cache layers the family needs after the trunk's (0 if its heads do not attend)."""
@@ -220,6 +244,9 @@ class HeadFamily(nnx.Module):
       normed: [B, T, D] the same after the final norm.
       tokens, positions: [B, T].
       mask: [B, 1, T, T] the training attention mask (causal within each packed document).
+
+    A family with `trunk_layer_inputs` also receives `layer_inputs`: {i: [B, T, D]} the
+    trunk's input to each of those layers (keyword argument).
 
     Returns:
       K arrays [B, T, D]: head k's normalised hidden state (predicting token t+1+k).
@@ -355,13 +382,14 @@ def layer_cache(cache: kv_cache_lib.KVCache | None, layer: int):
 # The registry: config name (`model.mtp_head_type`) -> family. Imported last: the family
 # modules import the protocol above.
 # pylint: disable-next=C0413
-from mtp.model.heads import eagle, medusa, parallel, sequential  # noqa: E402
+from mtp.model.heads import eagle, medusa, parallel, sequential, streaming  # noqa: E402
 
 FAMILIES: dict[str, type[HeadFamily]] = {
     'eagle': eagle.EagleDrafter,
     'medusa': medusa.MedusaHeads,
     'parallel': parallel.ParallelHeads,
     'sequential': sequential.SequentialHeads,
+    'streaming': streaming.StreamingHeads,
 }
 
 

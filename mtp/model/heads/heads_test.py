@@ -63,11 +63,11 @@ def scaled_registered(monkeypatch):
 
 
 def test_the_registry_names_every_family():
-  assert set(heads.FAMILIES) == {'eagle', 'medusa', 'parallel', 'sequential'}
+  assert set(heads.FAMILIES) == {'eagle', 'medusa', 'parallel', 'sequential', 'streaming'}
   for family in heads.FAMILIES.values():
     assert issubclass(family, heads.HeadFamily)
   with pytest.raises(ValueError, match="Unknown model.mtp_head_type 'hydra'; expected one of "
-                                       'eagle, medusa, parallel, sequential'):
+                                       'eagle, medusa, parallel, sequential, streaming'):
     heads.family('hydra')
 
 

@@ -1,0 +1,312 @@
+"""Speculative Streaming (Bhendawade et al. 2024, arXiv 2402.11131): γ speculative streams in the
+trunk's top N_s layers, sharing the trunk's weights (training half of issue 27).
+
+In the top N_s = `model.streaming_layers` layers every position t also carries γ =
+`model.mtp_num_heads` stream tokens. Stream j (1..γ) at t starts as the main stream's residual
+state entering layer L - N_s plus a learned stream embedding e_j [D]; each streamed layer runs
+the trunk's own block on it, its queries attending to
+
+  * the main stream's keys/values of that layer at positions s <= t (computed by the main stream
+    itself; the trunk's training mask decides which of them, so packing and any future window
+    rule apply to the streams as they apply to the main stream), and
+  * the streams 1..j of its own position t (itself included), never other positions' streams.
+
+Stream j's output after the last layer, through the trunk's final norm and the shared output
+layer, predicts token t + 1 + j: it is this project's "head j". The main stream is the trunk's
+own pass, untouched: its outputs are bit-identical with or without the family (so the family
+attaches to a frozen pretrained trunk without changing it).
+
+Choices the paper leaves open:
+  * Rotary position of stream j at t: t + j. The stream stands in for the (unknown) token at
+    t + j whose next token, t + 1 + j, it predicts; so its distance to a main key s is t + j - s
+    and to stream i of its position j - i, as if the future tokens were in the text.
+  * Stream embeddings: [γ, D], normal(0.02) as the token embedding (a stream identifier is an
+    extra "token" added to the state). They are small against a trained trunk's residual
+    stream, so stream j starts out close to the main stream at t (predicting t + 1, as Medusa's
+    heads start as the trunk), and the rotary positions and the streams' attention to each
+    other separate them from the first step on.
+  * Adapters (`model.streaming_adapter_rank` = r, 0: none): per stream and streamed layer,
+    low-rank updates (LoRA, Hu et al. 2021) of the query and value projections, which LoRA found
+    enough, applied to stream tokens only: q += (x A_q) B_q, v += (x A_v) B_v with A ~
+    normal(D^-1/2) and B = 0 at init (no effect until trained). They give a frozen trunk's
+    streams capacity of their own. Parameters: γ·D + γ·N_s·r·(2D + Q·H + G·H) (Q query and G
+    key/value heads of width H). Medusa's K ResBlocks hold K·(D² + D), so the embeddings
+    alone are 1/(D + 1) of that (0.17% at SmolLM2's D=576, 1.5% at configs/tiny.py's D=64);
+    rank-r adapters cost N_s·r·(2D + Q·H + G·H) per stream more (SmolLM2, N_s=1, r=1: 0.75%
+    in all).
+  * Attention: stream queries score the main keys [B, T] and their own position's γ stream
+    keys apart and take one softmax over both (`stream_attention`): T·γ·(T + γ) scores, not the
+    T·γ·(T + T·γ) of one concatenated key buffer. `stream_mask` is that layout's mask written
+    out (the definition, and the tests' reference).
+  * The main stream's keys/values of a streamed layer are recomputed from that layer's input
+    (two projections of B·T tokens per layer) rather than taken out of the trunk's pass, so the
+    trunk needs to return its layer inputs only (`HeadFamily.trunk_layer_inputs`).
+  * Training: the trunk's loss and the streams' losses as for any family (`mtp.train.loss`);
+    joint training updates the shared layers (the paper fine-tunes the whole model), and
+    `optim.mode='frozen_trunk'` trains the embeddings (and adapters) alone.
+
+Decoding (drafting the next tree inside the pass that verifies the current one, the paper's
+tree pruning) is issue 27's decoding half, a drafter plug-in in `mtp/decode/drafters/`: `verify`
+and `draft` raise NotImplementedError until then (`DRAFTS = False`: a streaming model decodes
+as one without heads, exactly, by prompt lookup under `auto`), and the family has no serving
+format.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp.model import flops
+from mtp.model import heads
+from mtp.model import transformer
+
+Array = jax.Array
+
+_DECODING = ('the streaming head family trains only: its decoding (streams drafting inside the '
+             'verification pass, a drafter in mtp/decode/drafters/) is the decoding half of '
+             'issue 27, not implemented yet.')
+
+
+def stream_mask(mask: Array, num_streams: int) -> Array:
+  """The stream tokens' attention mask over [main keys; stream keys], written out.
+
+  Stream token (t, j) (position t, stream j = 1..γ) sees main position s where the trunk's own
+  query t does (`mask`: s <= t in t's document), and the streams (t, i), i <= j, of its own
+  position. For T = 3, γ = 2, one document (x: visible):
+
+                    main keys  stream keys (s, i)
+      query (t, j)  0 1 2      (0,1) (0,2) (1,1) (1,2) (2,1) (2,2)
+      (0, 1)        x . .        x     .     .     .     .     .
+      (0, 2)        x . .        x     x     .     .     .     .
+      (1, 1)        x x .        .     .     x     .     .     .
+      (1, 2)        x x .        .     .     x     x     .     .
+      (2, 1)        x x x        .     .     .     .     x     .
+      (2, 2)        x x x        .     .     .     .     x     x
+
+  Packed rows (segment ids 1 1 2): queries (2, j) see main key 2 only; their stream keys are
+  unchanged (a position's streams are always of its document).
+
+  Args:
+    mask: [B, 1, T, T] the trunk's training mask (`transformer.training_mask`).
+    num_streams: γ.
+
+  Returns:
+    [B, 1, T·γ, T + T·γ] bool: query row t·γ + (j - 1) is stream j at t; key columns are the
+    main positions 0..T-1, then stream i at s in column T + s·γ + (i - 1).
+  """
+  b, _, t, _ = mask.shape
+  main = jnp.repeat(mask, num_streams, axis=2)  # Row (t, j) is the main row t.
+  own = jnp.kron(jnp.eye(t, dtype=jnp.int32),
+                 jnp.tril(jnp.ones((num_streams, num_streams), jnp.int32))).astype(bool)
+  own = jnp.broadcast_to(own, (b, 1, t * num_streams, t * num_streams))
+  return jnp.concatenate([main, own], axis=-1)
+
+
+def stream_attention(q: Array, k_main: Array, v_main: Array, k_streams: Array,
+                     v_streams: Array, mask: Array) -> Array:
+  """Attention of stream queries over the main keys and their own position's streams.
+
+  Equal to `jax.nn.dot_product_attention` over the concatenated keys with `stream_mask` (one
+  softmax over both parts), without scoring the T·γ other positions' stream keys.
+
+  Args:
+    q: [B, T, γ, Q, H] stream queries (rotated).
+    k_main, v_main: [B, T, G, H] the main stream's keys (rotated) and values.
+    k_streams, v_streams: [B, T, γ, G, H] the streams' keys (rotated) and values.
+    mask: [B, 1, T, T] the trunk's training mask (main query t's row serves its streams).
+
+  Returns:
+    [B, T, γ, Q, H] in q's dtype.
+  """
+  b, t, gamma, num_q, h = q.shape
+  g = k_main.shape[2]
+  q = q.reshape(b, t, gamma, g, num_q // g, h)  # Query heads grouped by their key/value head.
+  scale = h ** -0.5
+  main = jnp.einsum('btjgrh,bsgh->bgrtjs', q, k_main,
+                    preferred_element_type=jnp.float32) * scale  # [B, G, R, T, γ, T]
+  own = jnp.einsum('btjgrh,btigh->bgrtji', q, k_streams,
+                   preferred_element_type=jnp.float32) * scale  # [B, G, R, T, γ, γ]
+  lowest = jnp.finfo(jnp.float32).min
+  main = jnp.where(mask[:, :, None, :, None, :], main, lowest)
+  own = jnp.where(jnp.tril(jnp.ones((gamma, gamma), bool)), own, lowest)
+  probs = jax.nn.softmax(jnp.concatenate([main, own], axis=-1), axis=-1).astype(v_main.dtype)
+  out = (jnp.einsum('bgrtjs,bsgh->btjgrh', probs[..., :t], v_main)
+         + jnp.einsum('bgrtji,btigh->btjgrh', probs[..., t:], v_streams))
+  return out.reshape(b, t, gamma, num_q, h).astype(q.dtype)
+
+
+class StreamAdapters(nnx.Module):
+  """One streamed layer's per-stream low-rank updates of the query and value projections."""
+
+  def __init__(self, cfg: transformer.TransformerConfig, num_streams: int, rank: int, *,
+               rngs: nnx.Rngs):
+    d, dtype = cfg.embed_dim, transformer.dtype_of(cfg.param_dtype)
+    down = transformer.partitioned(nnx.initializers.normal(d ** -0.5), None, 'embed', None)
+    zeros = nnx.initializers.zeros_init()
+    self.q_down = nnx.Param(down(rngs.params(), (num_streams, d, rank), dtype))
+    self.q_up = nnx.Param(transformer.partitioned(zeros, None, None, 'heads')(
+        rngs.params(), (num_streams, rank, cfg.num_attention_heads * cfg.head_dim), dtype))
+    self.v_down = nnx.Param(down(rngs.params(), (num_streams, d, rank), dtype))
+    self.v_up = nnx.Param(transformer.partitioned(zeros, None, None, 'kv_heads')(
+        rngs.params(), (num_streams, rank, cfg.num_kv_heads * cfg.head_dim), dtype))
+
+  @staticmethod
+  def _update(x: Array, down: Array, up: Array) -> Array:
+    """x [B, T, γ, D] -> stream j's (x A_j) B_j, [B, T, γ, out]."""
+    low = jnp.einsum('btjd,jdr->btjr', x, down.astype(x.dtype))
+    return jnp.einsum('btjr,jro->btjo', low, up.astype(x.dtype))
+
+  def query(self, x: Array) -> Array:
+    return self._update(x, self.q_down[...], self.q_up[...])
+
+  def value(self, x: Array) -> Array:
+    return self._update(x, self.v_down[...], self.v_up[...])
+
+
+def _stream_layer(block: transformer.Block, adapters: StreamAdapters | None, main_x: Array,
+                  streams: Array, positions: Array, mask: Array) -> Array:
+  """One streamed layer: the trunk's `block` run on the stream tokens.
+
+  Args:
+    block: the trunk's layer (its weights, shared).
+    adapters: this layer's adapters, or None.
+    main_x: [B, T, D] the main stream's input to this layer (for its keys and values).
+    streams: [B, T, γ, D] the streams' input to this layer.
+    positions: [B, T] the main positions t (stream j sits at t + j).
+    mask: [B, 1, T, T] the trunk's training mask.
+
+  Returns:
+    [B, T, γ, D] the streams after the layer.
+  """
+  attn, cfg = block.attn, block.attn.cfg
+  b, t, gamma, _ = streams.shape
+  hd, nq, g = cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
+  main_n = block.attn_norm(main_x)
+  k_main = transformer.rotary_embedding(attn.k_proj(main_n).reshape(b, t, g, hd), positions,
+                                        cfg.rope_theta)
+  v_main = attn.v_proj(main_n).reshape(b, t, g, hd)
+  x = block.attn_norm(streams)
+  q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+  if adapters is not None:
+    q, v = q + adapters.query(x), v + adapters.value(x)
+  # Rotary positions t + j, streams flattened into the time axis for `rotary_embedding`.
+  stream_positions = (positions[:, :, None] + jnp.arange(1, gamma + 1, dtype=positions.dtype)
+                      ).reshape(b, t * gamma)
+  q = transformer.rotary_embedding(q.reshape(b, t * gamma, nq, hd), stream_positions,
+                                   cfg.rope_theta).reshape(b, t, gamma, nq, hd)
+  k = transformer.rotary_embedding(k.reshape(b, t * gamma, g, hd), stream_positions,
+                                   cfg.rope_theta).reshape(b, t, gamma, g, hd)
+  v = v.reshape(b, t, gamma, g, hd)
+  out = stream_attention(q, k_main, v_main, k, v, mask)
+  streams = streams + attn.o_proj(out.reshape(b, t, gamma, nq * hd))
+  return streams + block.mlp(block.mlp_norm(streams))
+
+
+# The streamed layers recomputed in the backward pass (any `model.remat` but 'none').
+_rematerialised_stream_layer = nnx.remat(_stream_layer)
+
+
+def _check_count(options: Mapping[str, Any], key: str, low: int) -> int:
+  value = options[key]
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ValueError(f'model.{key} must be an integer >= {low}, got {value!r}.')
+  return value
+
+
+class StreamingHeads(heads.HeadFamily):
+  """γ = K speculative streams in the trunk's top `streaming_layers` layers (see the module
+  docstring); parameters: the stream embeddings and, optionally, per-stream adapters."""
+  OPTIONS = {
+      # N_s: the trunk's top layers that carry the streams (1..model.num_layers). The paper
+      # streams the top layers only (e.g. 4 of 32 on Vicuna-7B): lower layers stay shared,
+      # and the streams' cost grows with N_s.
+      'streaming_layers': 2,
+      # Rank of the per-stream low-rank adapters on the streamed layers' query and value
+      # projections, for stream tokens only (0: none, the stream embeddings alone train).
+      'streaming_adapter_rank': 0,
+  }
+  # Drafting inside the verification pass is the decoding half of issue 27: until then the
+  # model decodes as one without heads (autoregressive, or prompt lookup under `auto`).
+  DRAFTS = False
+
+  def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
+               options: Mapping[str, Any], *, rngs: nnx.Rngs):
+    self.num_streams = num_heads
+    self.num_layers = _check_layers(trunk_cfg, options)
+    rank = options['streaming_adapter_rank']
+    self.embeddings = nnx.Param(transformer.partitioned(nnx.initializers.normal(0.02), None,
+                                                        'embed')(
+        rngs.params(), (num_heads, trunk_cfg.embed_dim),
+        transformer.dtype_of(trunk_cfg.param_dtype)))
+    self.adapters = (nnx.List([StreamAdapters(trunk_cfg, num_heads, rank, rngs=rngs)
+                               for _ in range(self.num_layers)]) if rank else None)
+
+  @classmethod
+  def validate_options(cls, options: Mapping[str, Any]) -> None:
+    _check_count(options, 'streaming_layers', 1)
+    _check_count(options, 'streaming_adapter_rank', 0)
+
+  @classmethod
+  def trunk_layer_inputs(cls, trunk_cfg, num_heads, options) -> tuple[int, ...]:
+    """The inputs of the streamed layers L - N_s .. L - 1 (the first one starts the streams;
+    each gives its layer's main keys and values)."""
+    n = _check_layers(trunk_cfg, options)
+    return tuple(range(trunk_cfg.num_layers - n, trunk_cfg.num_layers))
+
+  @classmethod
+  def train_flops(cls, trunk_cfg, num_heads, options, batch_size, seq_len, count='causal'):
+    """Per streamed layer: the trunk's layer over B·T·γ stream tokens, the main keys and
+    values over B·T tokens again, the adapters; attention of T·γ queries to the main keys
+    (causal: s <= t) and their position's streams (i <= j). Remat recomputes it all."""
+    cfg, gamma = trunk_cfg, num_heads
+    n, rank = options['streaming_layers'], options['streaming_adapter_rank']
+    tokens = batch_size * seq_len
+    q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = (flops.block_matmul_flops(cfg, tokens * gamma)
+                 + 2.0 * 2 * cfg.embed_dim * kv_width * tokens
+                 + 2.0 * rank * (2 * cfg.embed_dim + q_width + kv_width) * tokens * gamma)
+    if count == 'causal':
+      pairs = gamma * seq_len * (seq_len + 1) / 2 + seq_len * gamma * (gamma + 1) / 2
+    else:
+      pairs = float(gamma * seq_len * seq_len + seq_len * gamma * gamma)
+    attention = 4.0 * batch_size * cfg.num_attention_heads * cfg.head_dim * pairs
+    return flops.HeadFlops(n * per_layer, n * attention, n * (per_layer + attention))
+
+  def __call__(self, trunk, hidden, normed, tokens, positions, mask, *,
+               layer_inputs: Mapping[int, Array]) -> list[Array]:
+    del hidden, normed, tokens  # The streams start from a layer input.
+    main = layer_inputs[trunk.cfg.num_layers - self.num_layers]
+    streams = main[:, :, None, :] + self.embeddings[...].astype(main.dtype)  # [B, T, γ, D]
+    streams = self.run_streams(trunk, streams, layer_inputs, positions, mask)
+    return [trunk.final_norm(streams[:, :, j]) for j in range(self.num_streams)]
+
+  def run_streams(self, trunk: transformer.Transformer, streams: Array,
+                  layer_inputs: Mapping[int, Array], positions: Array, mask: Array) -> Array:
+    """The streamed layers: streams [B, T, γ, D] entering layer L - N_s -> leaving layer L - 1
+    (before the final norm); `layer_inputs` and the rest as `__call__` receives them."""
+    num_layers = trunk.cfg.num_layers
+    layer_fn = _rematerialised_stream_layer if trunk.cfg.remat != 'none' else _stream_layer
+    for n, i in enumerate(range(num_layers - self.num_layers, num_layers)):
+      adapters = self.adapters[n] if self.adapters is not None else None
+      streams = layer_fn(trunk.layer(i), adapters, layer_inputs[i], streams, positions, mask)
+    return streams
+
+  def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer):
+    raise NotImplementedError(_DECODING)
+
+  def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer,
+            vocab=None):
+    raise NotImplementedError(_DECODING)
+
+
+def _check_layers(trunk_cfg: transformer.TransformerConfig, options: Mapping[str, Any]) -> int:
+  """N_s, or ValueError naming `model.streaming_layers` when it is not in [1, L]."""
+  n = _check_count(options, 'streaming_layers', 1)
+  if n > trunk_cfg.num_layers:
+    raise ValueError(f'model.streaming_layers must be in [1, model.num_layers = '
+                     f'{trunk_cfg.num_layers}], got {n}.')
+  return n
