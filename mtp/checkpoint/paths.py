@@ -162,14 +162,18 @@ def host_cache_root() -> pathlib.Path:
   return pathlib.Path(root if root and not is_url(root) else os.path.expanduser(_DEFAULT_CACHE))
 
 
+def _flat(url: str | os.PathLike) -> str:
+  """A URL as a relative local path (`gs://b/run` -> `gs/b/run`), for host-side copies."""
+  return os.fspath(url).replace('://', '/').strip('/')
+
+
 def local_dir(workdir: str | os.PathLike, name: str) -> epath.Path:
   """`workdir/name` for a local workdir; for one on an object store, a directory of this host
   named after its URL under `host_cache_root()`: for caches written with local file APIs (the
   in-memory corpus's token arrays), which a host rebuilds when it lacks them."""
   if not is_url(workdir):
     return as_path(workdir) / name
-  flat = os.fspath(workdir).replace('://', '/').strip('/')
-  return epath.Path(host_cache_root() / 'workdirs' / flat / name)
+  return epath.Path(host_cache_root() / 'workdirs' / _flat(workdir) / name)
 
 
 def copy_file(source: str | os.PathLike, target: str | os.PathLike) -> None:
@@ -224,8 +228,7 @@ def staging_parent(output: str | os.PathLike) -> pathlib.Path:
   the URL's parent (then uploaded: an object store has no rename)."""
   if not is_url(output):
     return pathlib.Path(os.path.abspath(os.fspath(output))).parent
-  parent = os.fspath(epath.Path(output).parent).replace('://', '/').strip('/')
-  return host_cache_root() / 'staging' / parent
+  return host_cache_root() / 'staging' / _flat(epath.Path(output).parent)
 
 
 def local_copy(path: str | os.PathLike) -> pathlib.Path:
@@ -241,7 +244,7 @@ def local_copy(path: str | os.PathLike) -> pathlib.Path:
   remote = epath.Path(path)
   stat = remote.stat()
   stamp = json.dumps({'length': stat.length, 'mtime': stat.mtime})
-  copy = host_cache_root() / 'remote' / os.fspath(path).replace('://', '/')
+  copy = host_cache_root() / 'remote' / _flat(path)
   stamp_path = copy.with_name(copy.name + '.stamp')
   if copy.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp:
     return copy

@@ -176,7 +176,7 @@ def _tokenizer(spec: str, corpus: sources.Source, valid_fraction: float, vocab_s
   if spec == 'bpe':
     return tokenizer_lib.train_bpe(_train_sample(corpus, valid_fraction, sample_bytes),
                                    vocab_size)
-  path = epath.Path(spec) if paths.is_url(spec) else pathlib.Path(spec).expanduser()
+  path = paths.path_or_url(spec, '--tokenizer')
   try:
     return tokenizer_lib.Tokenizer.load(path)
   except FileNotFoundError as e:

@@ -438,7 +438,7 @@ class Transformer(nnx.Module):
     inputs, start = {}, 0
     for stop in wanted + [num_layers]:
       if stop > start:
-        x = self._run_layers(x, positions, mask, start, stop)
+        x = self._run_blocks(x, positions, mask, None, None, (start, stop))[0]
       if stop < num_layers:
         inputs[stop] = x
       start = stop
@@ -452,23 +452,15 @@ class Transformer(nnx.Module):
     graphdef, state = nnx.split(self.blocks)
     return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf[i], state))
 
-  def _run_layers(self, x, positions, mask, start: int, stop: int):
-    """Layers [start, stop) of the training pass (no cache)."""
-    if self.cfg.scan_layers:
-      return scan_blocks(self.blocks, x, positions, mask, None, None, self.cfg.num_layers,
-                         self.cfg.remat, layers=(start, stop))[0]
-    remat = self.cfg.remat if self.cfg.remat in _TRUNK_CHECKPOINT_POLICIES else False
-    blocks = [self.blocks[i] for i in range(start, stop)]
-    return run_blocks(blocks, x, positions, mask, None, None, remat=remat)[0]
-
-  def _run_blocks(self, x, positions, mask, cache, lengths):
-    """The layers in order, scanned or unrolled; remat'ed by `cfg.remat` without a cache."""
+  def _run_blocks(self, x, positions, mask, cache, lengths, layers=None):
+    """The layers in order, scanned or unrolled; remat'ed by `cfg.remat` without a cache.
+    Without a cache, `layers` = (start, stop) runs layers [start, stop) only (None: all)."""
     remat = self.cfg.remat if self.cfg.remat in _TRUNK_CHECKPOINT_POLICIES else False
     if self.cfg.scan_layers:
       return scan_blocks(self.blocks, x, positions, mask, cache, lengths, self.cfg.num_layers,
-                         self.cfg.remat)
-    return run_blocks(self.blocks, x, positions, mask, cache, lengths, remat=remat)
-
+                         self.cfg.remat, layers=layers)
+    blocks = self.blocks if layers is None else [self.blocks[i] for i in range(*layers)]
+    return run_blocks(blocks, x, positions, mask, cache, lengths, remat=remat)
 
 def replace_layers(cache: kv_cache_lib.KVCache, first_layer: int,
                    updated: list[tuple[Array, Array]]) -> kv_cache_lib.KVCache:
