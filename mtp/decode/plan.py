@@ -244,9 +244,6 @@ class Options:
 def _heads(o: Options):
   """The heads' drafter (static or dynamic tree) and its data (draft vocabulary ids)."""
   heads = o.cfg.mtp_num_heads
-  if heads and not o.cfg.family.DRAFTS:
-    raise ValueError(f'model.mtp_head_type={o.cfg.mtp_head_type!r} heads train but do not '
-                     'draft yet: decode with lookup or autoregressively')
   dynamic = o.tree == trees_lib.DYNAMIC or bool(o.tree_budget)
   given = None  # Ids given as they are (an array), not counted from the corpus.
   if o.draft_vocab is not None and np.ndim(o.draft_vocab) == 1:
@@ -304,8 +301,8 @@ DRAFTERS: dict[str, Callable[[Options], tuple[drafters_lib.Drafter, Any]]] = {
 
 
 def _heads_draft(cfg) -> bool:
-  """Whether the model's heads can draft (some heads, of a family that implements drafting)."""
-  return bool(cfg.mtp_num_heads) and cfg.family.DRAFTS
+  """Whether the model has heads to draft with."""
+  return bool(cfg.mtp_num_heads)
 
 
 def _drafter_names(o: Options, drafters: Sequence[str] | None) -> list[str]:

@@ -28,8 +28,9 @@ def mesh():
 
 
 @pytest.mark.parametrize('head_type,tree,budget', [
-    ('medusa', TREE, 0), ('parallel', None, 0), ('sequential', TREE, 4)],
-    ids=['medusa-tree', 'parallel-chain', 'sequential-dynamic-tree'])
+    ('medusa', TREE, 0), ('parallel', None, 0), ('sequential', TREE, 4),
+    ('streaming', TREE, 0)],
+    ids=['medusa-tree', 'parallel-chain', 'sequential-dynamic-tree', 'streaming-tree'])
 def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree, budget):
   # Two KV heads and 64 ids: 'tensor' divides both.
   model = testing.tiny_model(0, head_type=head_type, vocab_size=64)

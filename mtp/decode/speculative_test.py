@@ -1,6 +1,6 @@
 """Speculative decoding is exact: it reproduces autoregressive decoding.
 
-Greedy: token for token, for the three head families, chains and trees, ragged batches, with
+Greedy: token for token, for every head family, chains and trees, ragged batches, with
 the model's own drafts, with oracle drafts (all accepted), adversarial drafts (none accepted),
 and drafts right up to a random depth (ragged acceptance across rows and steps, which moves
 tree paths through the cache); autoregressive decoding equals uncached decoding. Sampling: the
@@ -25,7 +25,7 @@ from mtp.decode import trees
 from mtp.model import mtp_model
 from mtp.model import testing
 
-HEAD_TYPES = ('medusa', 'parallel', 'sequential')
+HEAD_TYPES = ('medusa', 'parallel', 'sequential', 'streaming')
 PROMPT_LENGTHS = np.array([7, 3, 5], np.int32)
 MAX_NEW = 16
 TREE = trees.tree_from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)])
@@ -126,8 +126,9 @@ def _check_statistics(out, max_depth):
 # Parallel heads' chain runs without a hook at batch 1 below (compiling costs test time).
 @pytest.mark.parametrize('head_type,tree', [
     ('medusa', 3), ('medusa', TREE), ('parallel', TREE), ('sequential', 3),
-    ('sequential', TREE)], ids=['medusa-chain', 'medusa-tree', 'parallel-tree',
-                                'sequential-chain', 'sequential-tree'])
+    ('sequential', TREE), ('streaming', TREE)],
+    ids=['medusa-chain', 'medusa-tree', 'parallel-tree', 'sequential-chain', 'sequential-tree',
+         'streaming-tree'])
 def test_greedy_output_equals_autoregressive(models, ar_model, prompts, reference, head_type,
                                              tree):
   """One compiled decoder per case; the hook picks the drafts per row at run time."""

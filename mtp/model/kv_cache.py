@@ -160,25 +160,32 @@ def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
 
 
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
-           block_mask: jax.Array) -> jax.Array:
-  """Attention of T new tokens over a layer's cache, chunk by chunk (see the module docstring).
+           block_mask: jax.Array, own: tuple[jax.Array, jax.Array, jax.Array] | None = None
+           ) -> jax.Array:
+  """Attention of T queries over a layer's cache, chunk by chunk (see the module docstring).
 
   Args:
-    q: [B, T, H, d] queries of the new tokens (rotary positions applied).
-    keys, values: [B, S, G, d] the layer's cache with the new tokens' entries already written
-      at slots [lengths, lengths + T); S a multiple of `CHUNK`; G divides H (or `RowView`s).
+    q: [B, T, H, d] queries (rotary positions applied): usually the new tokens' own.
+    keys, values: [B, S, G, d] the layer's cache with a block of N new tokens' entries already
+      written at slots [lengths, lengths + N); S a multiple of `CHUNK`; G divides H (or
+      `RowView`s).
     lengths: [B] committed slots per row: all of them are visible.
-    block_mask: [T, T] or [B, T, T]: which new tokens each new token sees (itself included).
+    block_mask: [T, N] or [B, T, N]: which of the block's tokens each query sees (the new
+      tokens' own queries, T = N: itself included).
+    own: optional keys each query sees besides the cache, (keys [B, T, E, G, d] rotated,
+      values [B, T, E, G, d], visible [T, E] or [B, T, E] bool), in the same softmax: E keys
+      of each query's own (speculative streams, `heads/streaming.py`).
 
   Returns:
     [B, T, H, d] in q's dtype (computed in float32).
   """
   b, t, h, d = q.shape
   s, g = keys.shape[1], keys.shape[2]
+  n = block_mask.shape[-1]
   if s % CHUNK:
     raise ValueError(f'the cache holds {s} slots, not a multiple of {CHUNK} (init_cache)')
   queries = q.reshape(b, t, g, h // g, d).astype(jnp.float32) * d ** -0.5
-  block_mask = jnp.broadcast_to(block_mask, (b, t, t))
+  block_mask = jnp.broadcast_to(block_mask, (b, t, n))
   lengths = lengths.astype(jnp.int32)
 
   def chunk(i, carry):
@@ -188,8 +195,8 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
     v = _read(values, start, CHUNK).astype(jnp.float32)
     relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
     in_block = jnp.take_along_axis(
-        block_mask, jnp.broadcast_to(jnp.clip(relative, 0, t - 1)[:, None, :], (b, t, CHUNK)),
-        axis=2) & ((relative >= 0) & (relative < t))[:, None, :]
+        block_mask, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
+        axis=2) & ((relative >= 0) & (relative < n))[:, None, :]
     visible = (relative < 0)[:, None, :] | in_block  # [B, T, C]
     scores = jnp.einsum('btgrd,bcgd->bgrtc', queries, k)
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
@@ -201,9 +208,18 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
     return (new_top, total * scale + jnp.sum(p, axis=-1),
             acc * scale[..., None] + jnp.einsum('bgrtc,bcgd->bgrtd', p, v))
 
-  num_chunks = (jnp.max(lengths) + t + CHUNK - 1) // CHUNK
+  num_chunks = (jnp.max(lengths) + n + CHUNK - 1) // CHUNK
   shape = (b, g, h // g, t)
   carry = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,)))
+  if own is not None:  # The softmax starts from the queries' own keys.
+    own_k, own_v, own_visible = own
+    scores = jnp.einsum('btgrd,btegd->bgrte', queries, own_k.astype(jnp.float32))
+    visible = jnp.broadcast_to(own_visible, (b, t, own_k.shape[2]))[:, None, None]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
+    carry = (top, jnp.sum(p, axis=-1),
+             jnp.einsum('bgrte,btegd->bgrtd', p, own_v.astype(jnp.float32)))
   _, total, acc = jax.lax.fori_loop(0, jnp.minimum(num_chunks, s // CHUNK), chunk, carry)
   out = acc / total[..., None]
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q.dtype)

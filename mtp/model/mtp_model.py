@@ -239,13 +239,18 @@ class MTPModel(nnx.Module):
     """
     if block_mask is None:
       block_mask = heads_lib.causal_mask(tokens.shape[1])
-    hidden, cache = self.trunk(tokens, positions, cache=cache, lengths=lengths,
-                               block_mask=block_mask)
+    with_heads = with_heads and self.heads is not None
+    needed = self.cfg.trunk_layer_inputs if with_heads else ()
+    hidden, layer_inputs, cache = self.trunk.cached_forward(tokens, positions, cache, lengths,
+                                                            block_mask, needed)
     normed = self.trunk.final_norm(hidden)
     features = None
-    if with_heads and self.heads is not None:
+    if with_heads:
+      # Families that read trunk layer inputs get them, and the trunk, to run its layers on
+      # their own tokens; the others' `verify` has no such arguments.
+      extra = dict(trunk=self.trunk, layer_inputs=layer_inputs) if needed else {}
       features, cache = self.heads.verify(hidden, normed, positions, block_mask, cache, lengths,
-                                          first_layer=self.cfg.trunk.num_layers)
+                                          first_layer=self.cfg.trunk.num_layers, **extra)
     return StepOutput(hidden=hidden, normed=normed, features=features), cache
 
   def draft_vocab(self, ids: Array) -> heads_lib.DraftVocab:

@@ -13,12 +13,6 @@ from mtp.model import mtp_model
 from mtp.model import testing
 
 HEAD_TYPES = tuple(heads.FAMILIES)
-# Families that train but do not draft yet (`HeadFamily.DRAFTS`) are skipped where drafts are
-# compared.
-DRAFTING_HEAD_TYPES = [
-    name if family.DRAFTS else pytest.param(name, marks=pytest.mark.skip(
-        reason=f'{name} trains but does not draft yet (HeadFamily.DRAFTS)'))
-    for name, family in heads.FAMILIES.items()]
 
 
 def _positions(b, t, start=0):
@@ -46,7 +40,7 @@ def test_no_heads_is_a_plain_language_model():
   assert model.num_cache_layers == model.num_verified_cache_layers == 2
 
 
-@pytest.mark.parametrize('head_type', DRAFTING_HEAD_TYPES)
+@pytest.mark.parametrize('head_type', HEAD_TYPES)
 def test_cached_steps_and_drafts_equal_training(head_type):
   """Prefill, draft, verification step, draft: each head's draft logits equal the training
   forward's on the same text, where the text holds the drafts that a chain of sequential modules

@@ -143,6 +143,15 @@ class Attention(nnx.Module):
     self.o_proj = nnx.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.embed_dim,
                              kernel_init=partitioned(out_init, 'heads', 'embed'), **common)
 
+  def projections(self, x: Array) -> tuple[Array, Array, Array]:
+    """x [..., D] -> the queries [..., Q·H], keys and values [..., G·H], before rotation."""
+    fused = getattr(self, 'qkv_proj', None)  # A decoding copy's (`fused_projections`).
+    if fused is None:
+      return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    cfg = self.cfg
+    q_width = cfg.num_attention_heads * cfg.head_dim
+    return tuple(jnp.split(fused(x), (q_width, q_width + cfg.num_kv_heads * cfg.head_dim), -1))
+
   def __call__(self, x: Array, positions: Array, mask: Array,
                cache: tuple[Array, Array] | None = None,
                lengths: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
@@ -157,12 +166,7 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     b, t, _ = x.shape
-    fused = getattr(self, 'qkv_proj', None)  # A decoding copy's (`fused_projections`).
-    if fused is None:
-      q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-    else:
-      q_width = cfg.num_attention_heads * cfg.head_dim
-      q, k, v = jnp.split(fused(x), (q_width, q_width + cfg.num_kv_heads * cfg.head_dim), -1)
+    q, k, v = self.projections(x)
     q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -313,15 +317,15 @@ def scan_blocks(blocks: 'Block', x: Array, positions: Array, mask: Array,
                 ) -> tuple[Array, list[tuple[Array, Array]] | None]:
   """Runs stacked `blocks` (see `stacked_blocks`) over their layer axis.
 
-  Without a cache (training, evaluation): one `jax.lax.scan`, its body rematerialised by
-  `remat`'s policy (`_TRUNK_CHECKPOINT_POLICIES`), over layers [start, stop) = `layers` (all
-  of them when None). With a cache, layer i reads and writes cache layer i (the trunk's layers
-  come first), one layer after another; the updated (keys, values) come back per layer, as
-  `run_blocks` returns them.
+  Runs layers [start, stop) = `layers` (all of them when None). Without a cache (training,
+  evaluation): one `jax.lax.scan`, its body rematerialised by `remat`'s policy
+  (`_TRUNK_CHECKPOINT_POLICIES`). With a cache, layer i reads and writes cache layer i (the
+  trunk's layers come first), one layer after another; the updated (keys, values) of layers
+  start.. come back per layer, as `run_blocks` returns them.
   """
   graphdef, state = nnx.split(blocks)
-  if cache is None and layers is not None and tuple(layers) != (0, num_layers):
-    start, stop = layers
+  start, stop = (0, num_layers) if layers is None else layers
+  if cache is None and (start, stop) != (0, num_layers):
     state = jax.tree.map(lambda leaf: leaf[start:stop], state)
 
   def body(h, layer):
@@ -339,7 +343,7 @@ def scan_blocks(blocks: 'Block', x: Array, positions: Array, mask: Array,
   # (a copy of the whole cache per step). Greedy decoding of an 8-layer tiny model on CPU ran
   # at 0.6x the unrolled model's speed with a scan, 0.8x this way.
   updated = []
-  for i in range(num_layers):
+  for i in range(start, stop):
     layer_state = jax.tree.map(lambda leaf, i=i: leaf[i], state)
     x, layer_cache = body(x, (layer_state, (cache.keys[i], cache.values[i])))
     updated.append(layer_cache)
@@ -404,12 +408,46 @@ class Transformer(nnx.Module):
     """
     if cache is None:
       return self.train_forward(tokens, positions, segment_ids)[0], None
+    hidden, _, cache = self.cached_forward(tokens, positions, cache, lengths, block_mask)
+    return hidden, cache
+
+  def cached_forward(self, tokens: Array, positions: Array, cache: kv_cache_lib.KVCache,
+                     lengths: Array, block_mask: Array | None = None,
+                     layer_inputs: Sequence[int] = ()
+                     ) -> tuple[Array, dict[int, Array], kv_cache_lib.KVCache]:
+    """A cached step (`__call__` with a cache), also returning the inputs of some layers.
+
+    Args:
+      tokens, positions, cache, lengths, block_mask: as `__call__`.
+      layer_inputs: indices i in [0, L) of layers whose input [B, T, D] to return (head
+        families that run trunk layers on their own tokens ask for them in the verification
+        pass, `HeadFamily.trunk_layer_inputs`).
+
+    Returns:
+      (hidden [B, T, D] before the final norm, {i: layer i's input}, the updated cache).
+    """
     x = self.embed(tokens)
     t = tokens.shape[1]
     if block_mask is None:
       block_mask = jnp.tril(jnp.ones((t, t), bool))
-    x, updated = self._run_blocks(x, positions, block_mask, cache, lengths)
-    return x, replace_layers(cache, 0, updated)
+    inputs, start = {}, 0
+    for stop in self._segments(layer_inputs):
+      if stop > start:
+        x, updated = self._run_blocks(x, positions, block_mask, cache, lengths, (start, stop))
+        cache = replace_layers(cache, start, updated)
+      if stop < self.cfg.num_layers:
+        inputs[stop] = x
+      start = stop
+    return x, inputs, cache
+
+  def _segments(self, layer_inputs: Sequence[int]) -> list[int]:
+    """The requested layer inputs, sorted, then L: where each run of layers stops."""
+    num_layers = self.cfg.num_layers
+    wanted = sorted(set(int(i) for i in layer_inputs))
+    if wanted and not 0 <= wanted[0] <= wanted[-1] < num_layers:
+      raise ValueError(f'Trunk layer inputs {wanted} asked for; the trunk has layers 0..'
+                       f'{num_layers - 1} (model.num_layers={num_layers}).')
+    return wanted + [num_layers]
 
   def train_forward(self, tokens: Array, positions: Array, segment_ids: Array | None = None,
                     layer_inputs: Sequence[int] = ()) -> tuple[Array, dict[int, Array]]:
@@ -427,16 +465,13 @@ class Transformer(nnx.Module):
       computes the same values as one pass.
     """
     num_layers = self.cfg.num_layers
-    wanted = sorted(set(int(i) for i in layer_inputs))
-    if wanted and not 0 <= wanted[0] <= wanted[-1] < num_layers:
-      raise ValueError(f'Trunk layer inputs {wanted} asked for; the trunk has layers 0..'
-                       f'{num_layers - 1} (model.num_layers={num_layers}).')
+    segments = self._segments(layer_inputs)
     if segment_ids is None:
       segment_ids = jnp.ones(tokens.shape, jnp.int32)
     mask = training_mask(segment_ids)
     x = self.embed(tokens)
     inputs, start = {}, 0
-    for stop in wanted + [num_layers]:
+    for stop in segments:
       if stop > start:
         x = self._run_blocks(x, positions, mask, None, None, (start, stop))[0]
       if stop < num_layers:
@@ -453,14 +488,16 @@ class Transformer(nnx.Module):
     return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf[i], state))
 
   def _run_blocks(self, x, positions, mask, cache, lengths, layers=None):
-    """The layers in order, scanned or unrolled; remat'ed by `cfg.remat` without a cache.
-    Without a cache, `layers` = (start, stop) runs layers [start, stop) only (None: all)."""
+    """Layers [start, stop) = `layers` (None: all) in order, scanned or unrolled; remat'ed by
+    `cfg.remat` without a cache. With a cache, layer i uses cache layer i; the updated
+    (keys, values) of the layers run come back in order."""
     remat = self.cfg.remat if self.cfg.remat in _TRUNK_CHECKPOINT_POLICIES else False
     if self.cfg.scan_layers:
       return scan_blocks(self.blocks, x, positions, mask, cache, lengths, self.cfg.num_layers,
                          self.cfg.remat, layers=layers)
-    blocks = self.blocks if layers is None else [self.blocks[i] for i in range(*layers)]
-    return run_blocks(blocks, x, positions, mask, cache, lengths, remat=remat)
+    start, stop = (0, self.cfg.num_layers) if layers is None else layers
+    return run_blocks([self.blocks[i] for i in range(start, stop)], x, positions, mask, cache,
+                      lengths, first_layer=start, remat=remat)
 
 def replace_layers(cache: kv_cache_lib.KVCache, first_layer: int,
                    updated: list[tuple[Array, Array]]) -> kv_cache_lib.KVCache:

@@ -19,7 +19,10 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
   * its KV-cache layers (`num_cache_layers`), which follow the trunk's layers in the cache;
   * whether it runs inside the verification pass (`RUNS_IN_VERIFICATION`; it then writes all
     of its cache layers there) and its part of that pass (`verify`), which returns the
-    per-token `features` pytree ([B, T, ...] arrays) the family drafts from;
+    per-token `features` pytree ([B, T, ...] arrays) the family drafts from; a family with
+    `trunk_layer_inputs` gets those layers' inputs for the new tokens there too, and the
+    trunk (Speculative Streaming drafts the next block at every node of the block it
+    verifies, in the same pass);
   * its drafting step (`draft`): from the features along a run of accepted tokens, the draft
     logits [depth, B, V] at the run's last accepted token (or [depth, B, N] over a draft
     vocabulary's N ids, FR-Spec, when given one: project through `DraftProjection`);
@@ -169,9 +172,6 @@ class HeadFamily(nnx.Module):
   # Whether `verify` runs inside the verification pass (and writes all the family's cache
   # layers there); otherwise the features are the trunk's own states and `verify` is free.
   RUNS_IN_VERIFICATION: ClassVar[bool] = False
-  # Whether `verify` and `draft` are implemented: a family that only trains so far (False)
-  # decodes like a model without heads (by lookup under `auto`), exactly.
-  DRAFTS: ClassVar[bool] = True
 
   def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
                options: Mapping[str, Any], *, rngs: nnx.Rngs):
@@ -265,6 +265,11 @@ class HeadFamily(nnx.Module):
       cache: the cache, the trunk's layers already written.
       lengths: [B] committed slots before the new tokens.
       first_layer: the family's first cache layer (the trunk's layer count).
+
+    A family with `trunk_layer_inputs` also receives, as keywords, `trunk` (the
+    `transformer.Transformer`, whose `layer(i)` it may run on its own tokens) and
+    `layer_inputs` ({i: [B, T, D]} the new tokens' input to each of those layers); the cache
+    then holds the new tokens' keys and values in every trunk layer.
 
     Returns:
       (features: a pytree of [B, T, ...] arrays, the cache with the layers it wrote).

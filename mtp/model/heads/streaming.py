@@ -45,11 +45,25 @@ Choices the paper leaves open:
     joint training updates the shared layers (the paper fine-tunes the whole model), and
     `optim.mode='frozen_trunk'` trains the embeddings (and adapters) alone.
 
-Decoding (drafting the next tree inside the pass that verifies the current one, the paper's
-tree pruning) is issue 27's decoding half, a drafter plug-in in `mtp/decode/drafters/`: `verify`
-and `draft` raise NotImplementedError until then (`DRAFTS = False`: a streaming model decodes
-as one without heads, exactly, by prompt lookup under `auto`), and the family has no serving
-format.
+Decoding: the streams ride the pass that verifies a block (`verify`). Every block token (tree
+node) carries its γ streams through the streamed layers, attending to what that node's main
+query sees in the cache the trunk has just written in the same pass (the committed text and the
+node's ancestors in the block) and to its own streams; so the pass that verifies the block also
+drafts, at every node, the continuation that follows it. The decode loop accepts a path and
+hands the accepted node's streams to the heads' drafter (`draft` only projects them): the
+next block's chain, or a tree of each stream's top candidates, costs no pass of its own.
+Decoding is exact like every family's: the main stream is the trunk's own.
+
+Serving format (`hf_export`): Speculative Streaming has no public one, so the layout is this
+project's, in the export's `speculative_streaming/` directory, beside the Llama directory of
+the trunk (whose files stay a plain Llama model any loader reads):
+  * `config.json`: `model_type` "mtp_speculative_streaming", `num_streams` γ,
+    `streaming_layers` N_s (Llama layers L - N_s .. L - 1 carry the streams),
+    `adapter_rank` r, `hidden_size`, and the rules above in `description`;
+  * `model.safetensors`: `stream_embeddings` [γ, D]; with adapters, for each streamed Llama
+    layer i, `model.layers.{i}.self_attn.{q,v}_proj.lora_A.weight` [γ, r, D] and
+    `lora_B.weight` [γ, out, r] (PEFT's orientation with a leading stream axis: stream j's
+    update of the projection is x A_j^T B_j^T, added for stream tokens only).
 """
 
 from __future__ import annotations
@@ -62,13 +76,11 @@ from flax import nnx
 
 from mtp.model import flops
 from mtp.model import heads
+from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 
 Array = jax.Array
 
-_DECODING = ('the streaming head family trains only: its decoding (streams drafting inside the '
-             'verification pass, a drafter in mtp/decode/drafters/) is the decoding half of '
-             'issue 27, not implemented yet.')
 
 
 def stream_mask(mask: Array, num_streams: int) -> Array:
@@ -182,28 +194,76 @@ def _stream_layer(block: transformer.Block, adapters: StreamAdapters | None, mai
   Returns:
     [B, T, γ, D] the streams after the layer.
   """
-  attn, cfg = block.attn, block.attn.cfg
+  cfg = block.attn.cfg
   b, t, gamma, _ = streams.shape
   hd, nq, g = cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
-  main_n = block.attn_norm(main_x)
-  k_main = transformer.rotary_embedding(attn.k_proj(main_n).reshape(b, t, g, hd), positions,
-                                        cfg.rope_theta)
-  v_main = attn.v_proj(main_n).reshape(b, t, g, hd)
+  _, k_main, v_main = block.attn.projections(block.attn_norm(main_x))
+  k_main = transformer.rotary_embedding(k_main.reshape(b, t, g, hd), positions, cfg.rope_theta)
+  v_main = v_main.reshape(b, t, g, hd)
+  q, k, v = _stream_projections(block, adapters, streams, positions)
+  out = stream_attention(q.reshape(b, t, gamma, nq, hd), k_main, v_main, k, v, mask)
+  return _stream_layer_output(block, streams, out)
+
+
+def _stream_projections(block: transformer.Block, adapters: StreamAdapters | None,
+                        streams: Array, positions: Array) -> tuple[Array, Array, Array]:
+  """The streams' queries [B, T·γ, Q, H] (rotated; row t·γ + j - 1 is stream j at t) and
+  keys and values [B, T, γ, G, H] (keys rotated), at rotary positions t + j."""
+  cfg = block.attn.cfg
+  b, t, gamma, _ = streams.shape
+  hd, nq, g = cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
   x = block.attn_norm(streams)
-  q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+  q, k, v = block.attn.projections(x)
   if adapters is not None:
     q, v = q + adapters.query(x), v + adapters.value(x)
-  # Rotary positions t + j, streams flattened into the time axis for `rotary_embedding`.
+  # Streams flattened into the time axis for `rotary_embedding`.
   stream_positions = (positions[:, :, None] + jnp.arange(1, gamma + 1, dtype=positions.dtype)
                       ).reshape(b, t * gamma)
   q = transformer.rotary_embedding(q.reshape(b, t * gamma, nq, hd), stream_positions,
-                                   cfg.rope_theta).reshape(b, t, gamma, nq, hd)
+                                   cfg.rope_theta)
   k = transformer.rotary_embedding(k.reshape(b, t * gamma, g, hd), stream_positions,
                                    cfg.rope_theta).reshape(b, t, gamma, g, hd)
-  v = v.reshape(b, t, gamma, g, hd)
-  out = stream_attention(q, k_main, v_main, k, v, mask)
-  streams = streams + attn.o_proj(out.reshape(b, t, gamma, nq * hd))
+  return q, k, v.reshape(b, t, gamma, g, hd)
+
+
+def _stream_layer_output(block: transformer.Block, streams: Array, attended: Array) -> Array:
+  """The layer's residual updates: streams [B, T, γ, D], attended [B, T, γ, Q, H]."""
+  b, t, gamma = streams.shape[:3]
+  streams = streams + block.attn.o_proj(attended.reshape(b, t, gamma, -1))
   return streams + block.mlp(block.mlp_norm(streams))
+
+
+def _cached_stream_layer(block: transformer.Block, adapters: StreamAdapters | None,
+                         streams: Array, positions: Array, block_mask: Array,
+                         layer_cache: tuple[Array, Array], lengths: Array) -> Array:
+  """One streamed layer in a cached step (prefill or verification) of T new tokens.
+
+  Stream j at new token t attends to what the main stream's query t sees in this layer's
+  cache (every committed slot, and the block's tokens its `block_mask` row allows: a tree
+  node's ancestors and itself) and to its own token's streams 1..j: `stream_mask`'s rule,
+  with the main keys read from the cache the trunk just wrote instead of recomputed.
+
+  Args:
+    block, adapters: as `_stream_layer`.
+    streams: [B, T, γ, D] the streams' input to this layer.
+    positions: [B, T] the new tokens' positions (stream j sits at t + j).
+    block_mask: [T, T] or [B, T, T] visibility inside the new block.
+    layer_cache: this layer's (keys, values), the block's entries written at `lengths`.
+    lengths: [B] committed slots before the block.
+
+  Returns:
+    [B, T, γ, D] the streams after the layer.
+  """
+  b, t, gamma, _ = streams.shape
+  q, k, v = _stream_projections(block, adapters, streams, positions)
+  # Query (t, j) sees its token's stream keys (t, i), i <= j: each query's own γ keys.
+  own_k, own_v = (jnp.broadcast_to(x[:, :, None], (b, t, gamma) + x.shape[2:]).reshape(
+      (b, t * gamma) + x.shape[2:]) for x in (k, v))
+  own_visible = jnp.tile(jnp.tril(jnp.ones((gamma, gamma), bool)), (t, 1))  # [T·γ, γ]
+  out = kv_cache_lib.attend(q, layer_cache[0], layer_cache[1], lengths,
+                            jnp.repeat(block_mask, gamma, axis=-2),
+                            own=(own_k, own_v, own_visible))
+  return _stream_layer_output(block, streams, out.reshape((b, t, gamma) + out.shape[2:]))
 
 
 # The streamed layers recomputed in the backward pass (any `model.remat` but 'none').
@@ -229,9 +289,8 @@ class StreamingHeads(heads.HeadFamily):
       # projections, for stream tokens only (0: none, the stream embeddings alone train).
       'streaming_adapter_rank': 0,
   }
-  # Drafting inside the verification pass is the decoding half of issue 27: until then the
-  # model decodes as one without heads (autoregressive, or prompt lookup under `auto`).
-  DRAFTS = False
+  # The streams ride the pass that verifies a block (`verify`); they write no cache layers.
+  RUNS_IN_VERIFICATION = True
 
   def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
                options: Mapping[str, Any], *, rngs: nnx.Rngs):
@@ -295,12 +354,97 @@ class StreamingHeads(heads.HeadFamily):
       streams = layer_fn(trunk.layer(i), adapters, layer_inputs[i], streams, positions, mask)
     return streams
 
-  def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer):
-    raise NotImplementedError(_DECODING)
+  def hf_export(self, context: heads.HFExportContext) -> heads.HFExport:
+    """The layout in the module docstring (`speculative_streaming/`)."""
+    cfg = context.trunk_cfg
+    rank = 0 if self.adapters is None else self.adapters[0].q_down.shape[-1]
+    tensors = {'stream_embeddings': heads.as_numpy(self.embeddings)}
+    for n, i in enumerate(self._streamed_layers(cfg)):
+      if self.adapters is None:
+        break
+      adapters = self.adapters[n]
+      for name, down, up in (('q_proj', adapters.q_down, adapters.q_up),
+                             ('v_proj', adapters.v_down, adapters.v_up)):
+        prefix = f'model.layers.{i}.self_attn.{name}'
+        tensors[f'{prefix}.lora_A.weight'] = heads.as_numpy(down).transpose(0, 2, 1)
+        tensors[f'{prefix}.lora_B.weight'] = heads.as_numpy(up).transpose(0, 2, 1)
+    config = {
+        'model_type': 'mtp_speculative_streaming', 'architectures': ['MTPSpeculativeStreaming'],
+        'num_streams': self.num_streams, 'streaming_layers': self.num_layers,
+        'adapter_rank': rank, 'hidden_size': cfg.embed_dim,
+        'description': (
+            'Speculative Streaming (arXiv 2402.11131) on the base Llama model: in its top '
+            'streaming_layers layers each position t carries num_streams stream tokens; stream '
+            'j (1-based) enters the first streamed layer as the base model\'s input to that '
+            'layer at t plus stream_embeddings[j - 1], runs the base layers (with its lora '
+            'updates of q_proj and v_proj, if any) at rotary position t + j, attending to the '
+            'base model\'s keys and values at positions <= t and to streams 1..j of t, then '
+            'the base final norm and lm_head: it predicts token t + 1 + j.'),
+    }
+    return heads.HFExport(format='mtp-speculative-streaming', subdirectories={
+        'speculative_streaming': heads.HFSubdirectory(config, tensors)})
+
+  @classmethod
+  def hf_import(cls, source: heads.HFImportSource) -> heads.HFImport | None:
+    """`speculative_streaming/` in the layout of the module docstring."""
+    sub = source.subdirectory('speculative_streaming')
+    if sub is None:
+      return None
+    config = sub.config
+    keys = ('num_streams', 'streaming_layers', 'adapter_rank')
+    if config.get('model_type') != 'mtp_speculative_streaming' or any(k not in config
+                                                                       for k in keys):
+      raise ValueError('speculative_streaming/config.json is not an mtp_speculative_streaming '
+                       f'config (model_type and {", ".join(keys)}).')
+    where = 'speculative_streaming/: '
+    num_streams, rank = int(config['num_streams']), int(config['adapter_rank'])
+    options = {'streaming_layers': int(config['streaming_layers']),
+               'streaming_adapter_rank': rank}
+    layers = _check_layers(source.trunk_cfg, options)
+    embeddings = heads.take(sub.tensors, 'stream_embeddings', where)
+    if embeddings.shape != (num_streams, source.trunk_cfg.embed_dim):
+      raise ValueError(f'{where}stream_embeddings has shape {embeddings.shape}, expected '
+                       f'({num_streams}, {source.trunk_cfg.embed_dim}).')
+    params: dict[str, Any] = {'embeddings': embeddings}
+    if rank:
+      params['adapters'] = {}
+      first = source.trunk_cfg.num_layers - layers
+      for n in range(layers):
+        adapter = {}
+        for name, short in (('q_proj', 'q'), ('v_proj', 'v')):
+          prefix = f'model.layers.{first + n}.self_attn.{name}'
+          adapter[f'{short}_down'] = heads.take(sub.tensors, f'{prefix}.lora_A.weight',
+                                                where).transpose(0, 2, 1)
+          adapter[f'{short}_up'] = heads.take(sub.tensors, f'{prefix}.lora_B.weight',
+                                              where).transpose(0, 2, 1)
+        params['adapters'][n] = adapter
+    return heads.HFImport(num_heads=num_streams, options=options, params=params)
+
+  def _streamed_layers(self, trunk_cfg: transformer.TransformerConfig) -> range:
+    return range(trunk_cfg.num_layers - self.num_layers, trunk_cfg.num_layers)
+
+  def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer, *,
+             trunk: transformer.Transformer, layer_inputs: Mapping[int, Array]):
+    """The streams of every new token, in the pass that verifies them: features [B, T, γ, D],
+    stream j's normalised output at token t (predicting token t + 1 + j). The main keys come
+    from the cache the trunk wrote in this pass; the streams write nothing."""
+    del hidden, normed, first_layer
+    num_layers = trunk.cfg.num_layers
+    main = layer_inputs[num_layers - self.num_layers]
+    streams = main[:, :, None, :] + self.embeddings[...].astype(main.dtype)
+    for n, i in enumerate(range(num_layers - self.num_layers, num_layers)):
+      adapters = self.adapters[n] if self.adapters is not None else None
+      streams = _cached_stream_layer(trunk.layer(i), adapters, streams, positions, block_mask,
+                                     heads.layer_cache(cache, i), lengths)
+    return trunk.final_norm(streams), cache
 
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer,
             vocab=None):
-    raise NotImplementedError(_DECODING)
+    """Streams 1..depth of the last accepted token, projected: no pass of their own."""
+    del tokens, lengths, first_layer
+    at = kv_cache_lib.gather_rows(features, last_index)[:, :depth]  # [B, depth, D]
+    logits = heads.DraftProjection(trunk, vocab).logits(at)
+    return jnp.transpose(logits, (1, 0, 2)), cache
 
 
 def _check_layers(trunk_cfg: transformer.TransformerConfig, options: Mapping[str, Any]) -> int:

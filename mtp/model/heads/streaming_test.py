@@ -1,6 +1,7 @@
 """Speculative Streaming: the stream mask and attention, the main stream untouched, streams blind
 to the future and to other positions' streams, training lowers the streams' losses, tiny
-parameters, options and unsupported combinations named."""
+parameters, options and unsupported combinations named; in decoding, a verified tree's streams
+equal training's, sampling is exact, and a trained model's streams draft most tokens exactly."""
 
 import dataclasses
 
@@ -11,6 +12,9 @@ import pytest
 from flax import nnx
 
 from configs import tiny
+from mtp.decode import speculative_test as exact_tests
+from mtp.decode import testing as decode_testing
+from mtp.decode import trees
 from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.model import transformer
@@ -25,9 +29,9 @@ def _positions(b, t):
   return jnp.broadcast_to(jnp.arange(t), (b, t))
 
 
-def _config(num_heads=3, num_layers=3, scan_layers=False, **options):
+def _config(num_heads=3, num_layers=3, scan_layers=False, vocab_size=61, **options):
   cfg = testing.tiny_config(mtp_num_heads=num_heads, head_type='streaming',
-                            num_layers=num_layers)
+                            num_layers=num_layers, vocab_size=vocab_size)
   return dataclasses.replace(cfg, trunk=dataclasses.replace(cfg.trunk, scan_layers=scan_layers),
                              head_options=tuple(sorted(options.items())))
 
@@ -145,8 +149,10 @@ def test_stream_j_reads_only_its_positions_streams_up_to_j():
     np.testing.assert_array_equal(reached, expected)
 
 
-def test_joint_training_from_scratch_lowers_the_stream_losses():
-  """configs/tiny.py with streams on counting rows (token t+1+j is token t plus 1+j)."""
+@pytest.fixture(scope='module')
+def counting():
+  """configs/tiny.py with streams trained jointly on counting rows (token t+1+j is token t
+  plus 1+j): (config, losses before, losses after, the trained model)."""
   config = train_testing.tiny_config(**{
       'model.mtp_head_type': 'streaming', 'model.vocab_size': 32,
       'model.streaming_adapter_rank': 2, 'optim.warmup_steps': 5,
@@ -165,6 +171,16 @@ def test_joint_training_from_scratch_lowers_the_stream_losses():
   for step in range(config.num_train_steps):
     state, _ = trainer.train_step(state, trainer.train_batch(batch(step)))
   after = trainer.evaluate(state.params, held_out)
+  return config, before, after, nnx.merge(trainer.graphdef, state.params)
+
+
+@pytest.fixture(scope='module')
+def counting_model(counting):
+  return counting[3]
+
+
+def test_joint_training_from_scratch_lowers_the_stream_losses(counting):
+  _, before, after, _ = counting
   for k in (1, 2, 3):
     assert after[f'head_{k}_loss'] < 0.5 * before[f'head_{k}_loss'], (k, before, after)
   assert after['head_3_acc'] > 0.5, after
@@ -228,32 +244,61 @@ def test_a_cached_trunk_state_is_refused():
                              jnp.ones((1, 4), jnp.int32))
 
 
-def test_decoding_names_issue_27():
-  model = _model()
-  cache = model.init_cache(1, 8)
-  with pytest.raises(NotImplementedError, match='decoding half of issue 27'):
-    model.step(jnp.zeros((1, 3), jnp.int32), _positions(1, 3), cache, jnp.zeros(1, jnp.int32))
-  with pytest.raises(NotImplementedError, match='issue 27'):
-    model.draft_logits(None, jnp.zeros((1, 6), jnp.int32), jnp.zeros(1, jnp.int32), cache,
-                       jnp.zeros(1, jnp.int32), depth=2)
-  assert model.heads.hf_export(None) is None
+@pytest.mark.parametrize('rank,scan_layers,fused', [(0, False, False), (2, True, True)])
+def test_streams_of_a_verified_tree_equal_the_training_streams(rank, scan_layers, fused):
+  """Prefill, then verify a tree: every node's streams (the next drafts) equal the training
+  forward's streams at the end of the text that node's path spells (the cache's chunked
+  attention and the family's reading of the main keys from the cache change nothing but
+  rounding), with adapters, scanned layers and the decoding copy's fused projections."""
+  model = _model(streaming_adapter_rank=rank, scan_layers=scan_layers)
+  stepper = transformer.fused_projections(model) if fused else model
+  prompt = testing.random_tokens((2, 5), 61, seed=3)
+  tree = trees.tree_from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+  nodes = testing.random_tokens((2, tree.num_nodes), 61, seed=4)
+  cache = stepper.init_cache(2, 32)
+  lengths = jnp.zeros(2, jnp.int32)
+  _, cache = stepper.step(jnp.asarray(prompt), _positions(2, 5), cache, lengths)
+  lengths = jnp.full(2, 5, jnp.int32)
+  out, _ = stepper.step(jnp.asarray(nodes), lengths[:, None] + jnp.asarray(tree.depth)[None],
+                        cache, lengths, block_mask=jnp.asarray(tree.attention_mask))
+  assert out.features.shape == (2, tree.num_nodes, 3, 32)
+  for n in range(tree.num_nodes):
+    path = np.nonzero(tree.attention_mask[n])[0]  # Ancestors in depth order, then n.
+    text = np.concatenate([prompt, nodes[:, path]], axis=1)
+    expected = model(jnp.asarray(text), _positions(2, text.shape[1]))[1:, :, -1]  # [γ, B, D]
+    np.testing.assert_allclose(jnp.transpose(out.features[:, n], (1, 0, 2)), expected,
+                               atol=2e-5, rtol=2e-5)
+  # Drafts are stream j's logits at the accepted node: no pass of their own.
+  logits, _ = stepper.draft_logits(out.features, jnp.zeros((2, 9), jnp.int32),
+                                   jnp.array([3, 0]), cache, lengths, depth=2)
+  np.testing.assert_allclose(logits[:, 1], model.logits(out.features[1, 0, :2]), rtol=1e-5,
+                             atol=1e-5)
 
 
-def test_a_streaming_model_decodes_exactly_without_drafting_from_its_heads(tmp_path):
-  """Until its drafter exists (issue 27's decoding half), every decoder runs: `auto` and
-  `speculative` draft by prompt lookup, and the output is plain greedy decoding's."""
-  import mtp  # pylint: disable=import-outside-toplevel
-  from mtp.train import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
-  from mtp.train import trainer_test  # pylint: disable=import-outside-toplevel
-  config = trainer_test._config(**{  # pylint: disable=protected-access
-      'model.mtp_head_type': 'streaming', 'num_train_steps': 2, 'eval_steps': 0})
-  trainer_lib.train_and_evaluate(config, tmp_path / 'w')
-  model = mtp.load(tmp_path / 'w')
-  prompts = ['def f(x):\n    return x', 'import os\nimport os\nimport']
-  plain = [g.tokens for g in mtp.generate(model, prompts, max_new_tokens=12,
-                                          decoder='autoregressive')]
-  for decoder in ('auto', 'speculative'):
-    assert [g.tokens for g in mtp.generate(model, prompts, max_new_tokens=12,
-                                           decoder=decoder)] == plain, decoder
-  with pytest.raises(ValueError, match="'streaming' heads train but do not draft yet"):
-    mtp.generate(model, prompts, max_new_tokens=4, decoder='speculative', drafters=['heads'])
+def test_sampled_generations_follow_the_target_distribution():
+  """Exact rejection sampling with the streams' drafts: the distribution of whole generations
+  (`speculative_test`'s check)."""
+  model = _model(seed=5, num_layers=2, vocab_size=exact_tests.VOCAB, streaming_layers=1,
+                 streaming_adapter_rank=2)
+  model.trunk.embedding.embedding[...] *= 4.0  # Sharpened, as in speculative_test.
+  prompt = np.array([1, 5, 2], np.int32)
+  prompts = np.broadcast_to(prompt, (exact_tests.ROWS, 3))
+  exact = exact_tests._exact_distribution(model, prompt)  # pylint: disable=protected-access
+  out = decode_testing.decode(model, prompts, max_new_tokens=exact_tests.NEW, seed=2,
+                              **exact_tests.SAMPLING)
+  assert exact_tests._chisquare_p(np.asarray(out.tokens), exact) > 1e-3  # pylint: disable=protected-access
+  assert np.asarray(out.accepted_histogram)[:, 2:].sum() > exact_tests.ROWS // 20
+
+
+def test_a_trained_streaming_model_drafts_most_of_its_tokens_exactly(counting_model):
+  """Joint training on counting rows: the streams' drafts pass, and the output is greedy
+  decoding's, chain and tree, batched, from prompts of different lengths."""
+  prompts = np.array([[3, 4, 5, 6, 7], [20, 21, 22, 0, 0]], np.int32)
+  lengths = np.array([5, 3], np.int32)
+  plain = decode_testing.decode(counting_model, prompts, lengths, decoder='autoregressive',
+                                max_new_tokens=20)
+  for tree in (None, trees.tree_from_choices([(0,), (1,), (0, 0), (0, 0, 0)])):
+    out = decode_testing.decode(counting_model, prompts, lengths, max_new_tokens=20, tree=tree,
+                                drafters=['heads'])
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    assert np.all(out.mean_accepted > 2.5), out.mean_accepted
