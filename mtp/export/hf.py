@@ -24,7 +24,8 @@ text that spells a special token literally is the one place where AutoTokenizer 
 
 Heads go through their family's `hf_export` hook (`mtp.model.heads.HFExport`): Medusa heads to
 `medusa/` in vLLM's Medusa format, sequential (DeepSeek-V3) modules as MTP layers L.. of the Llama
-directory, parallel heads to `parallel_heads/`; see each family's module. A family without a
+directory, parallel heads to `parallel_heads/`, EAGLE to `eagle/`, Speculative Streaming's stream
+embeddings and adapters to `speculative_streaming/`; see each family's module. A family without a
 format, or a dtype the format cannot hold, raises `ExportError` before anything is written.
 `import_weights` reads the whole export back, heads included (`HeadFamily.hf_import`).
 

@@ -45,6 +45,8 @@ CASES = {
     'medusa': ({'model.medusa_num_layers': 2}, 'byte', hf.DEFAULT_MAX_SHARD_BYTES),
     'sequential': ({}, 'bpe', 100_000),  # Sharded: the trunk and MTP layers over many files.
     'parallel': ({'model.tie_embeddings': False}, 'byte', hf.DEFAULT_MAX_SHARD_BYTES),
+    'streaming': ({'model.streaming_adapter_rank': 2, 'model.streaming_layers': 1}, 'byte',
+                  hf.DEFAULT_MAX_SHARD_BYTES),
 }
 
 
@@ -413,3 +415,77 @@ def test_parallel_heads_layout(exports, reference, torch):
     out = _rms(_llama_layer(torch, h, w, f'model.layers.{k}.', config),
                w[f'model.layers.{k}.norm.weight'], config['rms_norm_eps'])
     _assert_logits_close((out @ lm_head.T).numpy(), ours[1 + k, 0])
+
+
+def _rotary(torch, v, positions, theta):
+  """Hugging Face Llama's rotary embedding (rotate_half) of v [..., N, hd] at positions [...]."""
+  hd = v.shape[-1]
+  inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+  angles = positions.to(torch.float64)[..., None] * inv_freq
+  angles = torch.cat([angles, angles], -1)
+  cos, sin = angles.cos().float()[..., None, :], angles.sin().float()[..., None, :]
+  half = hd // 2
+  return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
+
+
+def test_speculative_streaming_layout(exports, reference, torch):
+  """speculative_streaming/: the streams as its config's description states them, in torch, on
+  transformers' own layer inputs and the Llama directory's weights."""
+  loaded, directory, _ = exports['streaming']
+  config = json.loads((directory / 'speculative_streaming' / 'config.json').read_text())
+  base_config = json.loads((directory / 'config.json').read_text())
+  assert config['model_type'] == 'mtp_speculative_streaming'
+  w = _weights(torch, directory / 'speculative_streaming')
+  base = _weights(torch, directory)
+  num_layers, gamma = base_config['num_hidden_layers'], config['num_streams']
+  heads, groups, hd = (base_config['num_attention_heads'], base_config['num_key_value_heads'],
+                       base_config['head_dim'])
+  eps, theta = base_config['rms_norm_eps'], base_config['rope_theta']
+  first = num_layers - config['streaming_layers']
+  tokens = _tokens(loaded)[:1]
+  with torch.no_grad():
+    inputs = reference['streaming'][0](torch.from_numpy(tokens).long(),
+                                       output_hidden_states=True).hidden_states
+  t = tokens.shape[1]
+  main_positions = torch.arange(t)
+  stream_positions = main_positions[:, None] + torch.arange(1, gamma + 1)[None]  # [T, γ]
+  streams = inputs[first][0][:, None] + w['stream_embeddings']  # [T, γ, D]
+  for i in range(first, num_layers):
+    p = f'model.layers.{i}.'
+    main = _rms(inputs[i][0], base[p + 'input_layernorm.weight'], eps)
+    k_main = _rotary(torch, (main @ base[p + 'self_attn.k_proj.weight'].T).view(t, groups, hd),
+                     main_positions, theta)
+    v_main = (main @ base[p + 'self_attn.v_proj.weight'].T).view(t, groups, hd)
+    x = _rms(streams, base[p + 'input_layernorm.weight'], eps)
+
+    def projected(name, x=x, p=p):
+      out = x @ base[p + f'self_attn.{name}.weight'].T
+      if config['adapter_rank']:  # Stream j's low-rank update, x A_j^T B_j^T.
+        a, b = w[p + f'self_attn.{name}.lora_A.weight'], w[p + f'self_attn.{name}.lora_B.weight']
+        out = out + torch.einsum('tjd,jrd,jor->tjo', x, a, b)
+      return out
+    q = _rotary(torch, projected('q_proj').view(t, gamma, heads, hd), stream_positions, theta)
+    k = _rotary(torch, (x @ base[p + 'self_attn.k_proj.weight'].T).view(t, gamma, groups, hd),
+                stream_positions, theta)
+    v = projected('v_proj').view(t, gamma, groups, hd)
+    rep = heads // groups
+    k_main, v_main, k, v = (z.repeat_interleave(rep, dim=-2) for z in (k_main, v_main, k, v))
+    scores_main = torch.einsum('tjnh,snh->tjns', q, k_main) / hd ** 0.5
+    scores_main = scores_main.masked_fill(
+        (main_positions[None, :] > main_positions[:, None])[:, None, None], float('-inf'))
+    scores_own = torch.einsum('tjnh,tinh->tjni', q, k) / hd ** 0.5
+    scores_own = scores_own.masked_fill(
+        torch.ones(gamma, gamma, dtype=torch.bool).triu(1)[None, :, None], float('-inf'))
+    probs = torch.softmax(torch.cat([scores_main, scores_own], -1), -1)
+    attended = (torch.einsum('tjns,snh->tjnh', probs[..., :t], v_main)
+                + torch.einsum('tjni,tinh->tjnh', probs[..., t:], v))
+    streams = streams + attended.reshape(t, gamma, -1) @ base[p + 'self_attn.o_proj.weight'].T
+    h = _rms(streams, base[p + 'post_attention_layernorm.weight'], eps)
+    mlp = (torch.nn.functional.silu(h @ base[p + 'mlp.gate_proj.weight'].T)
+           * (h @ base[p + 'mlp.up_proj.weight'].T))
+    streams = streams + mlp @ base[p + 'mlp.down_proj.weight'].T
+  lm_head = base.get('lm_head.weight', base['model.embed_tokens.weight'])
+  logits = _rms(streams, base['model.norm.weight'], eps) @ lm_head.T  # [T, γ, V]
+  ours, _ = _ours(loaded, tokens)
+  for j in range(gamma):
+    _assert_logits_close(logits[:, j].numpy(), ours[1 + j, 0])
