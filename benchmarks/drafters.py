@@ -18,6 +18,12 @@ Variants (`--variants`): 'medusa' (one ResBlock per head), 'sequential' (DeepSee
 modules), and EAGLE drafters: 'eagle' (the family's defaults), 'eagle_trunk' (depth 1 trained
 on the trunk's features only, EAGLE-1), 'eagle_w0' / 'eagle_w10' (feature-regression weight 0
 or 10 instead of 1). The EAGLE rows are the measurement behind the family's defaults.
+Speculative Streaming: 'streaming' (γ stream embeddings alone), 'streaming_lora' (with rank-1
+adapters), 'streaming_finetune' (the paper's recipe: the trunk fine-tuned with the streams).
+
+Each row also gives the heads' own parameters and a drafting step's cost against a one-token
+step (tokens per step over the speedup, both from the same run); `--batch_size` adds a greedy
+row per variant decoding all prompts in batches of that size.
 
 Prints a table and writes results/drafters.json.
 """
@@ -60,6 +66,8 @@ flags.DEFINE_integer('repeats', 2, 'Timed repeats (medians).')
 flags.DEFINE_list('temperatures', ['0', '0.8'], 'Decoding temperatures: 0 is greedy (outputs '
                   'compared token for token); a weak trunk\'s greedy text can be degenerate (all '
                   'drafts then pass), which sampled decoding (exact rejection sampling) avoids.')
+flags.DEFINE_integer('batch_size', 8, 'A second, batched measurement (greedy): all prompts in '
+                     'batches of this size (0: none).')
 flags.DEFINE_string('output', 'results/drafters.json', 'JSON results.')
 
 TIMING = 'drafters_timing.json'  # Written into a workdir once its training finished.
@@ -70,7 +78,23 @@ VARIANTS = {
     'eagle_trunk': {'model.mtp_head_type': 'eagle', 'model.eagle_train_features': 'trunk'},
     'eagle_w0': {'model.mtp_head_type': 'eagle', 'model.eagle_feature_loss_weight': 0.0},
     'eagle_w10': {'model.mtp_head_type': 'eagle', 'model.eagle_feature_loss_weight': 10.0},
+    # Speculative Streaming reads trunk layer inputs, which a cached trunk state lacks: its
+    # runs pay the frozen trunk's forward pass every step (compare the train seconds).
+    'streaming': {'model.mtp_head_type': 'streaming', 'distill.cache_trunk_states': False},
+    'streaming_lora': {'model.mtp_head_type': 'streaming', 'model.streaming_adapter_rank': 1,
+                       'distill.cache_trunk_states': False},
+    # The paper's recipe: the whole model fine-tuned with the streams (its own trunk moves, so
+    # its autoregressive reference is its own).
+    'streaming_finetune': {'model.mtp_head_type': 'streaming', 'optim.mode': 'finetune',
+                           'distill.cache_trunk_states': False},
+    # Trunk and heads trained together from scratch (the project's core shape), as long as
+    # the shared trunk (`--trunk_steps`), on the text: each decodes against its own trunk.
+    'joint_medusa': {'model.mtp_head_type': 'medusa'},
+    'joint_streaming': {'model.mtp_head_type': 'streaming'},
+    'joint_streaming_ns1': {'model.mtp_head_type': 'streaming', 'model.streaming_layers': 1},
 }
+JOINT = {'init_from': '', 'optim.mode': 'joint', 'distill.targets': 'text',
+         'distill.cache_trunk_states': False}
 
 
 def train(workdir: pathlib.Path, overrides: dict) -> float:
@@ -94,13 +118,20 @@ def train(workdir: pathlib.Path, overrides: dict) -> float:
 
 
 def head_overrides(trunk: pathlib.Path, variant: str) -> dict:
-  every = FLAGS.steps
-  return {'init_from': str(trunk), 'optim.mode': 'frozen_trunk',
-          'distill.targets': FLAGS.distill, 'num_train_steps': FLAGS.steps,
+  joint = variant.startswith('joint_')
+  every = FLAGS.trunk_steps if joint else FLAGS.steps
+  overrides = {'init_from': str(trunk), 'optim.mode': 'frozen_trunk',
+          'distill.targets': FLAGS.distill, 'num_train_steps': every,
           'model.mtp_num_heads': FLAGS.num_heads, 'eval_every_steps': every,
           'checkpoint_every_steps': every, 'log_every_steps': max(1, every // 4),
-          'optim.warmup_steps': max(1, FLAGS.steps // 10),
+          'optim.warmup_steps': max(1, every // 10),
+          # The heads train on the trunk's rows at one length (the distill caches hold them).
+          'long_context.steps': 0,
           **dict(item.split('=', 1) for item in FLAGS.overrides), **VARIANTS[variant]}
+  if joint:  # The trunk's own recipe: its steps, warmup and data, no teacher.
+    overrides.update(JOINT, **{'optim.warmup_steps': 50, 'data.max_corpus_bytes': -1,
+                               'mtp_head_loss_stride': 4})
+  return overrides
 
 
 def share_trunk_cache(source: pathlib.Path, workdir: pathlib.Path) -> None:
@@ -124,23 +155,40 @@ def tokens_per_sec(generations) -> float:
   return sum(len(g.tokens) for g in generations) / sum(g.seconds for g in generations)
 
 
+def batch_tokens_per_sec(generations) -> float:
+  """Throughput of batched generations (each timed over its whole batch): tokens over the
+  summed wall time of the distinct batches."""
+  batch_seconds = {g.seconds for g in generations}  # Rows of one batch share its time.
+  return sum(len(g.tokens) for g in generations) / sum(batch_seconds)
+
+
+def extra_parameters(model) -> int:
+  """Parameters of the model's heads (the drafter's own; shared trunk weights not counted)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  heads = model.model.heads
+  return 0 if heads is None else sum(x.size for x in jax.tree.leaves(nnx.state(heads,
+                                                                             nnx.Param)))
+
+
 def measure(workdirs: dict[str, pathlib.Path], prompts: list[str],
-            temperature: float) -> dict[str, dict]:
-  """Chain decoding of every variant against its trunk's autoregressive decoding, batch 1."""
+            temperature: float, batch_size: int = 1) -> dict[str, dict]:
+  """Chain decoding of every variant against its trunk's autoregressive decoding."""
   import mtp  # pylint: disable=import-outside-toplevel
   loaded = {name: mtp.load(workdir) for name, workdir in workdirs.items()}
   runs = {name: {'autoregressive': [], 'chain': []} for name in loaded}
+  rate = tokens_per_sec if batch_size == 1 else batch_tokens_per_sec
   for repeat in range(FLAGS.repeats):
     for name, model in loaded.items():
       for decoder in ('autoregressive', 'chain'):
         generations = mtp.generate(
-            model, prompts, max_new_tokens=FLAGS.max_new_tokens, batch_size=1,
+            model, prompts, max_new_tokens=FLAGS.max_new_tokens, batch_size=batch_size,
             decoder='autoregressive' if decoder == 'autoregressive' else 'speculative',
             tree=None if decoder == 'autoregressive' else 'chain', temperature=temperature,
             seed=repeat)
         runs[name][decoder].append(generations)
-        print(f'  repeat {repeat + 1}/{FLAGS.repeats} temperature {temperature} {name} '
-              f'{decoder}: {tokens_per_sec(generations):.1f} tokens/s', flush=True)
+        print(f'  repeat {repeat + 1}/{FLAGS.repeats} temperature {temperature} batch '
+              f'{batch_size} {name} {decoder}: {rate(generations):.1f} tokens/s', flush=True)
   out = {}
   for name, run in runs.items():
     chain, reference = run['chain'], run['autoregressive']
@@ -150,13 +198,19 @@ def measure(workdirs: dict[str, pathlib.Path], prompts: list[str],
     histogram = [sum(g.accepted_histogram[j] for g in chain[0])
                  for j in range(len(chain[0][0].accepted_histogram))]
     reached = [sum(histogram[j + 1:]) / max(steps, 1) for j in range(1, len(histogram) - 1)]
+    speedup = statistics.median(rate(c) / rate(r) for c, r in zip(chain, reference))
+    tokens_per_step = emitted / max(steps, 1)
     out[name] = dict(
-        tokens_per_step=emitted / max(steps, 1),
+        batch_size=batch_size,
+        extra_parameters=extra_parameters(loaded[name]),
+        tokens_per_step=tokens_per_step,
         draft_accepted_at_depth=reached,
-        chain_tokens_per_sec=statistics.median(tokens_per_sec(g) for g in chain),
-        autoregressive_tokens_per_sec=statistics.median(tokens_per_sec(g) for g in reference),
-        speedup=statistics.median(tokens_per_sec(c) / tokens_per_sec(r)
-                                  for c, r in zip(chain, reference)),
+        chain_tokens_per_sec=statistics.median(rate(g) for g in chain),
+        autoregressive_tokens_per_sec=statistics.median(rate(g) for g in reference),
+        speedup=speedup,
+        # A drafting step's wall time against a one-token step's, from the same run: the
+        # speedup is tokens per step over that ratio (prefills counted in both).
+        step_cost=tokens_per_step / speedup,
         # Greedy: token for token. Sampled: equal in distribution only (not compared).
         outputs_match=(all(c.tokens == r.tokens for c, r in zip(chain[0], reference[0]))
                        if temperature == 0 else None),
@@ -186,7 +240,8 @@ def main(argv):
                                   'checkpoint_every_steps': FLAGS.trunk_steps})
   workdirs, seconds = {}, {}
   for variant in FLAGS.variants:
-    workdirs[variant] = root / f'{variant}_k{FLAGS.num_heads}_{FLAGS.steps}'
+    steps = FLAGS.trunk_steps if variant.startswith('joint_') else FLAGS.steps
+    workdirs[variant] = root / f'{variant}_k{FLAGS.num_heads}_{steps}'
     if FLAGS.distill != 'text':
       share_trunk_cache(workdirs[FLAGS.variants[0]], workdirs[variant])
     seconds[variant] = train(workdirs[variant], head_overrides(trunk, variant))
@@ -198,8 +253,11 @@ def main(argv):
                                      min_tokens=FLAGS.prompt_tokens // 2)
   print(f'{len(prompts)} held-out prompts, {FLAGS.max_new_tokens} new tokens each', flush=True)
   rows = []
-  for temperature in [float(t) for t in FLAGS.temperatures]:
-    figures = measure(workdirs, prompts, temperature)
+  settings = [(float(t), 1) for t in FLAGS.temperatures]
+  if FLAGS.batch_size > 1:
+    settings.append((0.0, FLAGS.batch_size))
+  for temperature, batch_size in settings:
+    figures = measure(workdirs, prompts, temperature, batch_size)
     for variant in FLAGS.variants:
       evaluation = last_eval(workdirs[variant])
       rows.append(dict(
@@ -208,18 +266,20 @@ def main(argv):
           eval_head_acc=[evaluation.get(f'eval_head_{k}_acc')
                          for k in range(1, FLAGS.num_heads + 1)],
           eval_acceptance_proxy=evaluation.get('eval_acceptance_proxy'), **figures[variant]))
-  print(f'\n{"variant":<12} {"temp":>5} {"train s":>8} {"tokens/step":>12} {"chain tok/s":>12} '
-        f'{"AR tok/s":>9} {"speedup":>8} {"exact":>6} {"AR ids":>6}  eval head acc')
+  print(f'\n{"variant":<18} {"params":>8} {"temp":>5} {"batch":>5} {"train s":>8} '
+        f'{"tokens/step":>12} {"step cost":>9} {"chain tok/s":>12} {"AR tok/s":>9} '
+        f'{"speedup":>8} {"exact":>6} {"AR ids":>6}  eval head acc')
   for r in rows:
     accs = ' '.join(f'{a:.3f}' for a in r['eval_head_acc'] if a is not None)
-    print(f'{r["variant"]:<12} {r["temperature"]:>5} {r["train_seconds"]:>8.0f} '
-          f'{r["tokens_per_step"]:>12.3f} {r["chain_tokens_per_sec"]:>12.1f} '
+    print(f'{r["variant"]:<18} {r["extra_parameters"]:>8} {r["temperature"]:>5} '
+          f'{r["batch_size"]:>5} {r["train_seconds"]:>8.0f} '
+          f'{r["tokens_per_step"]:>12.3f} {r["step_cost"]:>8.2f}x {r["chain_tokens_per_sec"]:>12.1f} '
           f'{r["autoregressive_tokens_per_sec"]:>9.1f} {r["speedup"]:>7.2f}x '
           f'{str(r["outputs_match"]):>6} {r["distinct_tokens"]:>6}  {accs}')
   result = dict(trunk=str(trunk), trunk_train_seconds=trunk_seconds, config=FLAGS.config,
                 num_heads=FLAGS.num_heads, steps=FLAGS.steps, distill=FLAGS.distill,
                 overrides=FLAGS.overrides, num_prompts=len(prompts),
-                max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats, batch_size=1,
+                max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats,
                 decoder='chain of all heads', device=cost_model.device_kind(), rows=rows)
   output = pathlib.Path(FLAGS.output)
   output.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,15 @@ Choices the paper leaves open:
   * The main stream's keys/values of a streamed layer are recomputed from that layer's input
     (two projections of B·T tokens per layer) rather than taken out of the trunk's pass, so the
     trunk needs to return its layer inputs only (`HeadFamily.trunk_layer_inputs`).
+  * Drafting: the paper builds each next tree from the accepted node's streams' top-k; here
+    they go to the heads' drafter (`mtp/decode/drafters/heads.py`) like any family's draft
+    logits: a chain of every stream's top-1, a Medusa-style tree of their top candidates, or a
+    dynamic tree scored by them. So streams mix with prompt lookup, and `auto` weighs their
+    steps, as it does every family's.
+  * Early-exit tree pruning (the paper's section 3.3) is not built yet.
+    `benchmarks/streaming_pruning.py` bounds what it could save: on 2 CPU cores, halving a
+    tree of 4-16 nodes cuts the streaming step by less than 17-45% (the bottom layers still
+    run every node, and the early-exit logits cost a projection per node).
   * Training: the trunk's loss and the streams' losses as for any family (`mtp.train.loss`);
     joint training updates the shared layers (the paper fine-tunes the whole model), and
     `optim.mode='frozen_trunk'` trains the embeddings (and adapters) alone.
