@@ -489,3 +489,25 @@ def test_speculative_streaming_layout(exports, reference, torch):
   ours, _ = _ours(loaded, tokens)
   for j in range(gamma):
     _assert_logits_close(logits[:, j].numpy(), ours[1 + j, 0])
+
+
+@pytest.mark.parametrize('change,message', [
+    ('drop_lora', 'speculative_streaming/: missing tensor '
+                  'model.layers.1.self_attn.v_proj.lora_B.weight'),
+    ('wrong_shape', r'stream_embeddings has shape \(3, 7\), expected \(3, 64\)'),
+])
+def test_a_broken_streaming_export_is_named_on_import(exports, tmp_path, change, message):
+  import shutil
+  from safetensors import numpy as safetensors_numpy
+  directory = tmp_path / 'hf'
+  shutil.copytree(exports['streaming'][1], directory)
+  path = directory / 'speculative_streaming' / hf.WEIGHTS
+  tensors = safetensors_numpy.load_file(path)
+  if change == 'drop_lora':
+    del tensors['model.layers.1.self_attn.v_proj.lora_B.weight']
+  else:
+    tensors['stream_embeddings'] = np.zeros((3, 7), np.float32)
+  safetensors_numpy.save_file(tensors, path)
+  with pytest.raises(PretrainedError, match=message):
+    workdir_lib.import_weights(directory, tmp_path / 'w')
+  assert not (tmp_path / 'w').exists()
