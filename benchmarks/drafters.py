@@ -92,6 +92,11 @@ VARIANTS = {
     'joint_medusa': {'model.mtp_head_type': 'medusa'},
     'joint_streaming': {'model.mtp_head_type': 'streaming'},
     'joint_streaming_ns1': {'model.mtp_head_type': 'streaming', 'model.streaming_layers': 1},
+    # The heads' losses weighted as the next token's (code_small weighs them 0.05): streams
+    # have no layers of their own, so the shared ones learn them only as far as this says.
+    'joint_medusa_w1': {'model.mtp_head_type': 'medusa', 'mtp_loss_scaling_factor': 1.0},
+    'joint_streaming_ns1_w1': {'model.mtp_head_type': 'streaming', 'model.streaming_layers': 1,
+                               'mtp_loss_scaling_factor': 1.0},
 }
 JOINT = {'init_from': '', 'optim.mode': 'joint', 'distill.targets': 'text',
          'distill.cache_trunk_states': False}
