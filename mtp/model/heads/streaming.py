@@ -347,7 +347,7 @@ class StreamingHeads(heads.HeadFamily):
   def __call__(self, trunk, hidden, normed, tokens, positions, mask, *,
                layer_inputs: Mapping[int, Array]) -> list[Array]:
     del hidden, normed, tokens  # The streams start from a layer input.
-    main = layer_inputs[trunk.cfg.num_layers - self.num_layers]
+    main = layer_inputs[self._streamed_layers(trunk.cfg)[0]]
     streams = main[:, :, None, :] + self.embeddings[...].astype(main.dtype)  # [B, T, γ, D]
     streams = self.run_streams(trunk, streams, layer_inputs, positions, mask)
     return [trunk.final_norm(streams[:, :, j]) for j in range(self.num_streams)]
@@ -356,9 +356,8 @@ class StreamingHeads(heads.HeadFamily):
                   layer_inputs: Mapping[int, Array], positions: Array, mask: Array) -> Array:
     """The streamed layers: streams [B, T, γ, D] entering layer L - N_s -> leaving layer L - 1
     (before the final norm); `layer_inputs` and the rest as `__call__` receives them."""
-    num_layers = trunk.cfg.num_layers
     layer_fn = _rematerialised_stream_layer if trunk.cfg.remat != 'none' else _stream_layer
-    for n, i in enumerate(range(num_layers - self.num_layers, num_layers)):
+    for n, i in enumerate(self._streamed_layers(trunk.cfg)):
       adapters = self.adapters[n] if self.adapters is not None else None
       streams = layer_fn(trunk.layer(i), adapters, layer_inputs[i], streams, positions, mask)
     return streams
@@ -368,10 +367,8 @@ class StreamingHeads(heads.HeadFamily):
     cfg = context.trunk_cfg
     rank = 0 if self.adapters is None else self.adapters[0].q_down.shape[-1]
     tensors = {'stream_embeddings': heads.as_numpy(self.embeddings)}
-    for n, i in enumerate(self._streamed_layers(cfg)):
-      if self.adapters is None:
-        break
-      adapters = self.adapters[n]
+    for i, adapters in zip(self._streamed_layers(cfg),
+                           [] if self.adapters is None else self.adapters):
       for name, down, up in (('q_proj', adapters.q_down, adapters.q_up),
                              ('v_proj', adapters.v_down, adapters.v_up)):
         prefix = f'model.layers.{i}.self_attn.{name}'
@@ -430,6 +427,7 @@ class StreamingHeads(heads.HeadFamily):
     return heads.HFImport(num_heads=num_streams, options=options, params=params)
 
   def _streamed_layers(self, trunk_cfg: transformer.TransformerConfig) -> range:
+    """The trunk layers L - N_s .. L - 1 that carry the streams."""
     return range(trunk_cfg.num_layers - self.num_layers, trunk_cfg.num_layers)
 
   def verify(self, hidden, normed, positions, block_mask, cache, lengths, first_layer, *,
@@ -438,10 +436,10 @@ class StreamingHeads(heads.HeadFamily):
     stream j's normalised output at token t (predicting token t + 1 + j). The main keys come
     from the cache the trunk wrote in this pass; the streams write nothing."""
     del hidden, normed, first_layer
-    num_layers = trunk.cfg.num_layers
-    main = layer_inputs[num_layers - self.num_layers]
+    layers = self._streamed_layers(trunk.cfg)
+    main = layer_inputs[layers[0]]
     streams = main[:, :, None, :] + self.embeddings[...].astype(main.dtype)
-    for n, i in enumerate(range(num_layers - self.num_layers, num_layers)):
+    for n, i in enumerate(layers):
       adapters = self.adapters[n] if self.adapters is not None else None
       streams = _cached_stream_layer(trunk.layer(i), adapters, streams, positions, block_mask,
                                      heads.layer_cache(cache, i), lengths)
