@@ -262,12 +262,18 @@ def test_streams_of_a_verified_tree_equal_the_training_streams(rank, scan_layers
   out, _ = stepper.step(jnp.asarray(nodes), lengths[:, None] + jnp.asarray(tree.depth)[None],
                         cache, lengths, block_mask=jnp.asarray(tree.attention_mask))
   assert out.features.shape == (2, tree.num_nodes, 3, 32)
-  for n in range(tree.num_nodes):
-    path = np.nonzero(tree.attention_mask[n])[0]  # Ancestors in depth order, then n.
-    text = np.concatenate([prompt, nodes[:, path]], axis=1)
-    expected = model(jnp.asarray(text), _positions(2, text.shape[1]))[1:, :, -1]  # [γ, B, D]
-    np.testing.assert_allclose(jnp.transpose(out.features[:, n], (1, 0, 2)), expected,
-                               atol=2e-5, rtol=2e-5)
+  # Each node's text (the prompt, then its path: ancestors in depth order, then itself),
+  # right-padded into one batch for one training forward (causal: padding changes nothing).
+  paths = [np.nonzero(tree.attention_mask[n])[0] for n in range(tree.num_nodes)]
+  width = 5 + tree.max_depth + 1
+  texts = np.zeros((tree.num_nodes, 2, width), np.int32)
+  for n, path in enumerate(paths):
+    texts[n, :, :5 + len(path)] = np.concatenate([prompt, nodes[:, path]], axis=1)
+  trained = model(jnp.asarray(texts.reshape(-1, width)), _positions(2 * tree.num_nodes, width))
+  trained = trained.reshape(4, tree.num_nodes, 2, width, 32)  # [K + 1, N, B, T, D]
+  for n, path in enumerate(paths):
+    np.testing.assert_allclose(jnp.transpose(out.features[:, n], (1, 0, 2)),
+                               trained[1:, n, :, 4 + len(path)], atol=2e-5, rtol=2e-5)
   # Drafts are stream j's logits at the accepted node: no pass of their own.
   logits, _ = stepper.draft_logits(out.features, jnp.zeros((2, 9), jnp.int32),
                                    jnp.array([3, 0]), cache, lengths, depth=2)
