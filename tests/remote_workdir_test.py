@@ -97,3 +97,17 @@ def test_of_two_racing_writers_on_a_bucket_the_overwritten_one_gives_way(bucket,
   monkeypatch.setattr(path_type, 'write_text', raced)
   with pytest.raises(workdir_lock.WorkdirLockedError, match="pid 7 on host 'other-host'"):
     workdir_lock.WorkdirLock(workdir).acquire()
+
+
+def test_threads_fetching_one_file_at_once_share_one_whole_copy(bucket, monkeypatch, tmp_path):
+  """The data loader's threads fetch a shard's files together: each gets the whole copy (a
+  temporary file per thread, not per process, or one thread renames another's away)."""
+  from concurrent import futures  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path.parent / 'cache'))
+  data = os.urandom(1 << 20)
+  url = f'{bucket}/shard.bin'
+  epath.Path(url).write_bytes(data)
+  with futures.ThreadPoolExecutor(8) as pool:
+    copies = list(pool.map(lambda _: paths.local_copy(url), range(16)))
+  assert len(set(copies)) == 1 and copies[0].read_bytes() == data
+  assert not [p for p in copies[0].parent.iterdir() if p.name.endswith(('.part', '.tmp'))]

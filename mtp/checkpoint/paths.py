@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import shutil
+import threading
 
 from etils import epath
 
@@ -112,6 +113,12 @@ def as_path(path: str | os.PathLike) -> epath.Path:
   return epath.Path(os.path.abspath(os.fspath(path)))
 
 
+def _private_sibling(path, suffix: str):
+  """A hidden sibling of `path` that no other process or thread writes: the temporary file of
+  an atomic replace (the data loader's threads fetch the same file at once)."""
+  return path.with_name(f'.{path.name}.{os.getpid()}.{threading.get_ident()}.{suffix}')
+
+
 def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
   """Writes `path` so that a reader sees the old contents or the new, never a part: the
   project's one way to replace a file.
@@ -125,7 +132,7 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
   if is_url(path):
     write(data)
     return
-  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+  tmp = _private_sibling(path, 'tmp')
   try:
     if isinstance(data, bytes):
       tmp.write_bytes(data)
@@ -237,7 +244,8 @@ def local_copy(path: str | os.PathLike) -> pathlib.Path:
 
   Copies live under `host_cache_root()/remote/`, named after the URL, and are fetched once: again
   only when the object's size or modification time changes. A copy appears whole or not at all
-  (written beside, then renamed), so hosts and processes may fetch the same file at once.
+  (written beside, then renamed), so hosts, processes and threads may fetch the same file at
+once.
   """
   if not is_url(path):
     return pathlib.Path(path)
@@ -249,7 +257,7 @@ def local_copy(path: str | os.PathLike) -> pathlib.Path:
   if copy.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp:
     return copy
   copy.parent.mkdir(parents=True, exist_ok=True)
-  part = copy.with_name(f'.{copy.name}.{os.getpid()}.part')
+  part = _private_sibling(copy, 'part')
   try:
     copy_file(remote, part)
     os.replace(part, copy)
