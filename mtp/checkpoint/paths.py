@@ -245,7 +245,7 @@ def local_copy(path: str | os.PathLike) -> pathlib.Path:
   Copies live under `host_cache_root()/remote/`, named after the URL, and are fetched once: again
   only when the object's size or modification time changes. A copy appears whole or not at all
   (written beside, then renamed), so hosts, processes and threads may fetch the same file at
-once.
+  once.
   """
   if not is_url(path):
     return pathlib.Path(path)
