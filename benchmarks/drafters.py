@@ -18,8 +18,8 @@ Variants (`--variants`): 'medusa' (one ResBlock per head), 'sequential' (DeepSee
 modules), and EAGLE drafters: 'eagle' (the family's defaults), 'eagle_trunk' (depth 1 trained
 on the trunk's features only, EAGLE-1), 'eagle_w0' / 'eagle_w10' (feature-regression weight 0
 or 10 instead of 1). The EAGLE rows are the measurement behind the family's defaults.
-Speculative Streaming: 'streaming' (γ stream embeddings alone), 'streaming_lora' (with rank-1
-adapters), 'streaming_finetune' (the paper's recipe: the trunk fine-tuned with the streams).
+Speculative Streaming: 'streaming' (γ stream embeddings alone), 'streaming_lora' /
+'streaming_lora8' (with rank-1 / rank-8 adapters), 'streaming_finetune' (the paper's recipe: the trunk fine-tuned with the streams).
 
 Each row also gives the heads' own parameters and a drafting step's cost against a one-token
 step (tokens per step over the speedup, both from the same run); `--batch_size` adds a greedy
@@ -69,6 +69,8 @@ flags.DEFINE_list('temperatures', ['0', '0.8'], 'Decoding temperatures: 0 is gre
 flags.DEFINE_integer('batch_size', 8, 'A second, batched measurement (greedy): all prompts in '
                      'batches of this size (0: none).')
 flags.DEFINE_string('output', 'results/drafters.json', 'JSON results.')
+flags.DEFINE_bool('train_only', False, 'Train the variants\' workdirs and stop (a later run '
+                  'reuses them and measures every variant side by side).')
 
 TIMING = 'drafters_timing.json'  # Written into a workdir once its training finished.
 VARIANTS = {
@@ -78,11 +80,11 @@ VARIANTS = {
     'eagle_trunk': {'model.mtp_head_type': 'eagle', 'model.eagle_train_features': 'trunk'},
     'eagle_w0': {'model.mtp_head_type': 'eagle', 'model.eagle_feature_loss_weight': 0.0},
     'eagle_w10': {'model.mtp_head_type': 'eagle', 'model.eagle_feature_loss_weight': 10.0},
-    # Speculative Streaming reads trunk layer inputs, which a cached trunk state lacks: its
-    # runs pay the frozen trunk's forward pass every step (compare the train seconds).
-    'streaming': {'model.mtp_head_type': 'streaming', 'distill.cache_trunk_states': False},
-    'streaming_lora': {'model.mtp_head_type': 'streaming', 'model.streaming_adapter_rank': 1,
-                       'distill.cache_trunk_states': False},
+    # Speculative Streaming: the trunk cache keeps the streamed layers' inputs too.
+    'streaming': {'model.mtp_head_type': 'streaming'},
+    'streaming_lora': {'model.mtp_head_type': 'streaming', 'model.streaming_adapter_rank': 1},
+    # Adapters of some capacity: rank 8 on each streamed layer (more than 1% of Medusa's).
+    'streaming_lora8': {'model.mtp_head_type': 'streaming', 'model.streaming_adapter_rank': 8},
     # The paper's recipe: the whole model fine-tuned with the streams (its own trunk moves, so
     # its autoregressive reference is its own).
     'streaming_finetune': {'model.mtp_head_type': 'streaming', 'optim.mode': 'finetune',
@@ -251,6 +253,8 @@ def main(argv):
       share_trunk_cache(workdirs[FLAGS.variants[0]], workdirs[variant])
     seconds[variant] = train(workdirs[variant], head_overrides(trunk, variant))
     print(f'  {variant}: trained in {seconds[variant]:.0f} s', flush=True)
+  if FLAGS.train_only:
+    return
 
   tokenizer = mtp.load(workdirs[FLAGS.variants[0]]).tokenizer
   prompts = calibration.code_prompts(corpora.heldout_files(), tokenizer, FLAGS.num_prompts,

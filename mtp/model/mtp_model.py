@@ -189,7 +189,8 @@ class MTPModel(nnx.Module):
     """The training forward after the trunk: its final norm, then the heads.
 
     Training heads on a frozen trunk can cache the trunk's `hidden` once and start here
-    (families that read trunk layer inputs, `ModelConfig.trunk_layer_inputs`, need those too).
+    (families that read trunk layer inputs, `ModelConfig.trunk_layer_inputs`, need those too:
+    `distill.cache_trunk_states` keeps both).
 
     Args:
       hidden: [B, T, D] the trunk's last hidden state (before the final norm).
@@ -215,8 +216,7 @@ class MTPModel(nnx.Module):
         if missing:
           raise ValueError(
               f'model.mtp_head_type={self.cfg.mtp_head_type!r} reads the inputs of trunk '
-              f'layers {missing}, which were not given: a cached trunk state '
-              '(distill.cache_trunk_states) holds the last hidden state only.')
+              f'layers {missing}, which were not given.')
         extra['layer_inputs'] = {i: layer_inputs[i] for i in needed}
       outputs += self.heads(self.trunk, hidden, normed, tokens, positions, mask, **extra)
     return jnp.stack(outputs)

@@ -53,12 +53,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                      'hold: set long_context.steps=0 with distill.targets or '
                      'distill.cache_trunk_states.')
   distill.validate(config)
-  if (config.get('distill') is not None and config.distill.get('cache_trunk_states')
-      and model_cfg.trunk_layer_inputs):
-    raise ValueError(f'model.mtp_head_type={model_cfg.mtp_head_type!r} reads the inputs of '
-                     f'trunk layers {list(model_cfg.trunk_layer_inputs)}, and '
-                     'distill.cache_trunk_states keeps the last hidden state only: set '
-                     'distill.cache_trunk_states=False (the frozen trunk then runs every step).')
   if config.data.get('source') and distill.uses_trunk_cache(config):
     raise ValueError('distill.cache_trunk_states reads the in-memory corpus: it cannot be used '
                      f'with data.source ({config.data.source}).')

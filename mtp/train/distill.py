@@ -59,6 +59,16 @@ def uses_trunk_cache(config: ml_collections.ConfigDict) -> bool:
   return distill is not None and (distill.targets != 'text' or distill.cache_trunk_states)
 
 
+def cached_layer_inputs(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """The trunk layers whose inputs a trunk cache keeps: those the heads' family reads
+  (`HeadFamily.trunk_layer_inputs`), when the trunk's states are cached at all."""
+  distill = config.get('distill')
+  if distill is None or not distill.get('cache_trunk_states'):
+    return ()
+  from mtp.model import mtp_model  # pylint: disable=import-outside-toplevel
+  return tuple(mtp_model.ModelConfig.from_config(config.model).trunk_layer_inputs)
+
+
 def batch_fields(config: ml_collections.ConfigDict) -> tuple[tuple[str, ...], tuple[str, ...]]:
   """The optional `step.Batch` fields of (train, eval) batches: what `with_trunk_cache` adds."""
   if not uses_trunk_cache(config):
@@ -71,6 +81,8 @@ def batch_fields(config: ml_collections.ConfigDict) -> tuple[tuple[str, ...], tu
     fields.append(trunk_cache.HEAD_MASK)
   if distill.cache_trunk_states:
     fields.append(trunk_cache.HIDDEN)
+  if cached_layer_inputs(config):
+    fields.append(trunk_cache.LAYER_INPUTS)
   # Only rollouts replace the eval rows too; otherwise evaluation reads the text.
   rolled_out_eval = distill.targets == 'rollout' and config.eval_steps
   return tuple(fields), tuple(fields) if rolled_out_eval else ()
@@ -97,17 +109,18 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
     checkpointer.close()
   distill = config.distill
   store_hidden = bool(distill.cache_trunk_states)
+  layers = cached_layer_inputs(config)
   description = f'{trainer.model_config.trunk}|{source}|step {source_step}'
-  hidden = [trunk_cache.HIDDEN] if store_hidden else []
+  hidden = trunk_cache.stored_names(store_hidden, bool(layers))
   if distill.targets == 'rollout':
     prompts = trunk_cache.rollout_prompts(arrays, distill.prompt_len)[:max_rows]
     seq_len = arrays['tokens'].shape[1]
     key = trunk_cache.cache_key({'prompts': prompts}, f'{description}|rollout to {seq_len}',
-                                store_hidden)
+                                store_hidden, layers)
     names = ['tokens', 'segment_ids', 'positions', trunk_cache.TARGETS,
              trunk_cache.HEAD_MASK] + hidden
   else:
-    key = trunk_cache.cache_key(arrays, description, store_hidden)
+    key = trunk_cache.cache_key(arrays, description, store_hidden, layers)
     names = [trunk_cache.TARGETS] + hidden
   # Built with local file APIs (memory maps) on this host; a workdir on an object store keeps a
   # copy, so a run resumed on another host fetches it instead of building it again.
@@ -121,20 +134,22 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
               for name in names}
   elif distill.targets == 'rollout':
     # The teacher is always the source's trunk, also when resuming a fine-tuned one.
-    rollout = functools.partial(trunk_cache.rollout_forward(trainer.graphdef, seq_len),
+    rollout = functools.partial(trunk_cache.rollout_forward(trainer.graphdef, seq_len, layers),
                                 base_params())
     logging.info('Greedy continuations by the trunk of %s of %d prompts of %d tokens, to %d '
                  'tokens -> %s.', source, prompts.shape[0], prompts.shape[1], seq_len,
                  directory)
     cached = trunk_cache.build_rollouts(prompts, rollout, directory, seq_len=seq_len,
                                         batch_size=distill.batch_size,
-                                        store_hidden=store_hidden)
+                                        store_hidden=store_hidden,
+                                        store_layer_inputs=bool(layers))
   else:
-    forward = functools.partial(trunk_cache.trunk_forward(trainer.graphdef), base_params())
+    forward = functools.partial(trunk_cache.trunk_forward(trainer.graphdef, layers),
+                                base_params())
     logging.info('One pass of the trunk of %s over %d rows -> %s.', source,
                  arrays['tokens'].shape[0], directory)
     cached = trunk_cache.build(arrays, forward, directory, batch_size=distill.batch_size,
-                               store_hidden=store_hidden)
+                               store_hidden=store_hidden, store_layer_inputs=bool(layers))
   if kept is not None and not is_kept:
     paths.upload_tree(directory, kept)  # Each file whole; the set counts once all are there.
   if distill.targets == 'rollout':

@@ -28,7 +28,7 @@ from mtp.train import optim
 Array = jax.Array
 
 # The fields a batch may carry beside tokens, positions and segment ids (see `Batch`).
-OPTIONAL_FIELDS = ('targets', 'head_mask', 'trunk_hidden')
+OPTIONAL_FIELDS = ('targets', 'head_mask', 'trunk_hidden', 'trunk_layer_inputs')
 
 
 @flax.struct.dataclass
@@ -51,6 +51,8 @@ class Batch:
     head_mask: [B, T] bool, the positions whose heads' losses count, or None for all.
     trunk_hidden: [B, T, D] float32, the frozen trunk's last hidden state computed ahead of
       training, or None to run the trunk.
+    trunk_layer_inputs: [B, T, M, D] float32, with `trunk_hidden` for families that read
+      trunk layer inputs: those of the model's M `trunk_layer_inputs` layers, in order.
   """
   tokens: Array
   positions: Array
@@ -58,6 +60,7 @@ class Batch:
   targets: Array | None = None
   head_mask: Array | None = None
   trunk_hidden: Array | None = None
+  trunk_layer_inputs: Array | None = None
 
   @classmethod
   def from_arrays(cls, arrays: Mapping[str, np.ndarray], fields: Sequence[str],
@@ -141,8 +144,12 @@ class Trainer:
     model = nnx.merge(self.graphdef, params)
     with mesh_lib.activations_on(self.mesh):  # Every device computes its own rows only.
       if batch.trunk_hidden is not None:  # The frozen trunk ran once, ahead of training.
+        layer_inputs = None
+        if batch.trunk_layer_inputs is not None:
+          layer_inputs = {i: batch.trunk_layer_inputs[:, :, m]
+                          for m, i in enumerate(model.cfg.trunk_layer_inputs)}
         hidden = model.outputs_from_trunk(batch.trunk_hidden, batch.tokens, batch.positions,
-                                          batch.segment_ids)
+                                          batch.segment_ids, layer_inputs)
       else:
         hidden = model(batch.tokens, batch.positions, batch.segment_ids)
       hidden = mesh_lib.constrain_batch(hidden, row_axis=1)  # [K+1, B, T, D]

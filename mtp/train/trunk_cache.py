@@ -4,7 +4,9 @@ Training heads on a pretrained trunk has two costly habits and one mismatch, whi
 removes:
   * with the trunk frozen (Medusa-1), every step would run the same trunk forward over the same
     rows again; `build` runs it once per row and the heads then train on its stored last
-    hidden state (`trunk_hidden`), so a step costs only the heads and their output layer;
+    hidden state (`trunk_hidden`), and on the inputs of the trunk layers their family reads
+    (`trunk_layer_inputs`, `HeadFamily.trunk_layer_inputs`, e.g. Speculative Streaming's
+    streamed layers), so a step costs only the heads and their output layer;
   * self-distillation (no labelled data) wants the pretrained model's own predictions as
     targets; `build` stores its greedy next token at every position, shifted into a label
     sequence (`targets`) that the loss reads in place of the text. Head k at position t then
@@ -28,7 +30,7 @@ import os
 import pathlib
 import shutil
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,15 +39,19 @@ from absl import logging
 from flax import nnx
 
 HIDDEN, TARGETS, HEAD_MASK = 'trunk_hidden', 'targets', 'head_mask'
+LAYER_INPUTS = 'trunk_layer_inputs'
 _VERSION = 2
 
 
 def cache_key(arrays: Mapping[str, np.ndarray], trunk_description: str,
-              store_hidden: bool) -> str:
-  """A short hash of the input rows (every array given) and of the trunk they go through."""
+              store_hidden: bool, layers: Sequence[int] = ()) -> str:
+  """A short hash of the input rows (every array given), of the trunk they go through and of
+  what is kept of it (the last hidden state; the inputs of `layers`)."""
   digest = hashlib.sha1()
-  digest.update(json.dumps({'version': _VERSION, 'trunk': trunk_description,
-                            'hidden': store_hidden}, sort_keys=True).encode())
+  kept = {'version': _VERSION, 'trunk': trunk_description, 'hidden': store_hidden}
+  if layers:  # Absent otherwise: caches built before layer inputs keep their keys.
+    kept['layer_inputs'] = list(layers)
+  digest.update(json.dumps(kept, sort_keys=True).encode())
   for name in sorted(arrays):
     digest.update(name.encode())
     digest.update(np.ascontiguousarray(arrays[name]).tobytes())
@@ -67,33 +73,41 @@ def targets_from_predictions(tokens: np.ndarray, predictions: np.ndarray) -> np.
   return np.concatenate([tokens[:, :1], predictions[:, :-1]], axis=1).astype(np.int32)
 
 
+def stored_names(store_hidden: bool, store_layer_inputs: bool) -> list[str]:
+  """The trunk states a cache keeps besides its rows and targets."""
+  return ([HIDDEN] if store_hidden else []) + ([LAYER_INPUTS] if store_layer_inputs else [])
+
+
 def build(arrays: Mapping[str, np.ndarray], forward: Callable, directory: str | os.PathLike, *,
-          batch_size: int, store_hidden: bool) -> dict[str, np.ndarray]:
+          batch_size: int, store_hidden: bool, store_layer_inputs: bool = False
+          ) -> dict[str, np.ndarray]:
   """Runs `forward` over every row once; returns the cached arrays (memory-mapped).
 
   Args:
     arrays: packed rows, `tokens`, `segment_ids`, `positions` [N, T] int32.
-    forward: (tokens, positions, segment_ids) [B, T] -> (hidden [B, T, D] float32, predictions
-      [B, T] int32), the frozen trunk's last hidden state and greedy next token.
+    forward: (tokens, positions, segment_ids) [B, T] -> (hidden [B, T, D] float32, layer
+      inputs [B, T, M, D] float32, predictions [B, T] int32): the frozen trunk's last hidden
+      state, the inputs of the M layers `trunk_forward` was given, and its greedy next token.
     directory: the cache directory for this key (created; reused when complete).
     batch_size: rows per forward call (the last call is padded with empty rows).
     store_hidden: keep the hidden states too (frozen trunk), not only the targets.
+    store_layer_inputs: keep the layer inputs too.
 
   Returns:
-    {'targets': [N, T] int32} and, if store_hidden, {'trunk_hidden': [N, T, D] float32}.
+    {'targets': [N, T] int32}; if store_hidden, {'trunk_hidden': [N, T, D] float32}; if
+    store_layer_inputs, {'trunk_layer_inputs': [N, T, M, D] float32}.
   """
-  names = [TARGETS] + ([HIDDEN] if store_hidden else [])
+  names = [TARGETS] + stored_names(store_hidden, store_layer_inputs)
   tokens = arrays['tokens']
 
   def compute(rows: slice) -> dict[str, np.ndarray]:
     batch = [_pad_rows(arrays[k][rows], batch_size) for k in ('tokens', 'positions',
                                                                'segment_ids')]
-    hidden, predictions = jax.device_get(forward(*batch))
+    hidden, layer_inputs, predictions = jax.device_get(forward(*batch))
     count = rows.stop - rows.start
-    out = {TARGETS: targets_from_predictions(tokens[rows], predictions[:count])}
-    if store_hidden:
-      out[HIDDEN] = hidden[:count]
-    return out
+    out = {TARGETS: targets_from_predictions(tokens[rows], predictions[:count]),
+           HIDDEN: hidden[:count], LAYER_INPUTS: layer_inputs[:count]}
+    return {name: out[name] for name in names}
 
   return _build(directory, names, tokens.shape[0], batch_size, compute, 'Trunk pass',
                 tokens.shape[1])
@@ -125,7 +139,8 @@ def rollout_prompts(arrays: Mapping[str, np.ndarray], prompt_len: int) -> np.nda
 
 
 def build_rollouts(prompts: np.ndarray, rollout: Callable, directory: str | os.PathLike, *,
-                   seq_len: int, batch_size: int, store_hidden: bool) -> dict[str, np.ndarray]:
+                   seq_len: int, batch_size: int, store_hidden: bool,
+                   store_layer_inputs: bool = False) -> dict[str, np.ndarray]:
   """Rows of the trunk's own greedy continuations of `prompts`, with what training reads.
 
   Each row is a prompt followed by the trunk's greedy continuation up to `seq_len` tokens, one
@@ -138,32 +153,33 @@ def build_rollouts(prompts: np.ndarray, rollout: Callable, directory: str | os.P
   Args:
     prompts: [N, P] int32 (`rollout_prompts`).
     rollout: prompts [B, P] -> (tokens [B, seq_len] int32, hidden [B, seq_len, D] float32,
-      predictions [B, seq_len] int32), see `rollout_forward`.
-    directory, batch_size, store_hidden: as in `build`.
+      layer inputs [B, seq_len, M, D] float32, predictions [B, seq_len] int32), see
+      `rollout_forward`.
+    directory, batch_size, store_hidden, store_layer_inputs: as in `build`.
     seq_len: row length, prompt included.
 
   Returns:
     `tokens`, `segment_ids`, `positions`, `targets` [N, seq_len] int32, `head_mask` [N,
-    seq_len] bool and, if store_hidden, `trunk_hidden` [N, seq_len, D] float32.
+    seq_len] bool; if store_hidden, `trunk_hidden` [N, seq_len, D] float32; if
+    store_layer_inputs, `trunk_layer_inputs` [N, seq_len, M, D] float32.
   """
   n, prompt_len = prompts.shape
   batch_size = min(batch_size, n)  # A few eval rows need no batch of padding.
-  names = ['tokens', 'segment_ids', 'positions', TARGETS, HEAD_MASK] + (
-      [HIDDEN] if store_hidden else [])
+  names = ['tokens', 'segment_ids', 'positions', TARGETS, HEAD_MASK] + stored_names(
+      store_hidden, store_layer_inputs)
 
   def compute(rows: slice) -> dict[str, np.ndarray]:
     count = rows.stop - rows.start
-    tokens, hidden, predictions = jax.device_get(rollout(_pad_rows(prompts[rows], batch_size)))
-    tokens, hidden, predictions = tokens[:count], hidden[:count], predictions[:count]
+    tokens, hidden, layer_inputs, predictions = jax.device_get(
+        rollout(_pad_rows(prompts[rows], batch_size)))
     shape = (count, seq_len)
-    out = {'tokens': tokens,
+    out = {'tokens': tokens[:count],
            'segment_ids': np.ones(shape, np.int32),
            'positions': np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape),
-           TARGETS: targets_from_predictions(tokens, predictions),
-           HEAD_MASK: np.broadcast_to(np.arange(seq_len) >= prompt_len - 1, shape)}
-    if store_hidden:
-      out[HIDDEN] = hidden
-    return out
+           TARGETS: targets_from_predictions(tokens[:count], predictions[:count]),
+           HEAD_MASK: np.broadcast_to(np.arange(seq_len) >= prompt_len - 1, shape),
+           HIDDEN: hidden[:count], LAYER_INPUTS: layer_inputs[:count]}
+    return {name: out[name] for name in names}
 
   return _build(directory, names, n, batch_size, compute, 'Greedy rollouts', seq_len)
 
@@ -211,51 +227,70 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   return np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
-def trunk_forward(graphdef) -> Callable:
+def _stacked(layer_inputs: Mapping[int, jax.Array], layers: Sequence[int],
+             like: jax.Array) -> jax.Array:
+  """{i: [B, T, D]} -> [B, T, M, D] float32 in `layers`' order ([B, T, 0, D] for none)."""
+  if not layers:
+    return jnp.zeros(like.shape[:2] + (0,) + like.shape[2:], jnp.float32)
+  return jnp.stack([layer_inputs[i].astype(jnp.float32) for i in layers], axis=2)
+
+
+def trunk_forward(graphdef, layers: Sequence[int] = ()) -> Callable:
   """A jitted trunk pass for `build`: f(params, tokens, positions, segment_ids).
 
   Bind the parameters with `functools.partial(f, params)`. Returns the last hidden state
-  [B, T, D] float32 and the greedy next token [B, T] int32.
+  [B, T, D] float32, the inputs of trunk `layers` [B, T, M, D] float32 and the greedy next
+  token [B, T] int32.
   """
+  layers = tuple(layers)
+
   @jax.jit
   def forward(params, tokens, positions, segment_ids):
     model = nnx.merge(graphdef, params)
-    hidden, _ = model.trunk(tokens, positions, segment_ids)
+    hidden, layer_inputs = model.trunk.train_forward(tokens, positions, segment_ids, layers)
     logits = model.logits(model.trunk.final_norm(hidden))
-    return hidden.astype(jnp.float32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return (hidden.astype(jnp.float32), _stacked(layer_inputs, layers, hidden),
+            jnp.argmax(logits, axis=-1).astype(jnp.int32))
   return forward
 
 
-def rollout_forward(graphdef, seq_len: int) -> Callable:
+def rollout_forward(graphdef, seq_len: int, layers: Sequence[int] = ()) -> Callable:
   """A jitted greedy rollout for `build_rollouts`: f(params, prompts [B, P]).
 
   Bind the parameters with `functools.partial(f, params)`. One prefill of the prompts, then
-  seq_len - P cached one-token steps in a `lax.scan`; every step's last hidden state is kept, so
-  the continuation needs no second trunk pass. Returns tokens [B, seq_len] (prompt, then
-  continuation), the last hidden state [B, seq_len, D] float32 and the greedy next token
-  [B, seq_len] int32 at every position.
+  seq_len - P cached one-token steps in a `lax.scan`; every step's states are kept, so the
+  continuation needs no second trunk pass. Returns tokens [B, seq_len] (prompt, then
+  continuation), the last hidden state [B, seq_len, D] float32, the inputs of trunk `layers`
+  [B, seq_len, M, D] float32 and the greedy next token [B, seq_len] int32 at every position.
   """
+  layers = tuple(layers)
+
   @jax.jit
   def rollout(params, prompts):
     model = nnx.merge(graphdef, params)
     b, p = prompts.shape
     cache = model.init_cache(b, seq_len)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out, cache = model.step(prompts, positions, cache, jnp.zeros((b,), jnp.int32),
-                          with_heads=False)
-    predictions = jnp.argmax(model.logits(out.normed), axis=-1).astype(jnp.int32)
+    hidden, layer_inputs, cache = model.trunk.cached_forward(
+        prompts, positions, cache, jnp.zeros((b,), jnp.int32), None, layers)
+    predictions = jnp.argmax(model.logits(model.trunk.final_norm(hidden)),
+                             axis=-1).astype(jnp.int32)
+    prompt_states = (hidden.astype(jnp.float32), _stacked(layer_inputs, layers, hidden))
 
     def one_token(carry, position):
       token, cache = carry
       lengths = jnp.full((b,), position, jnp.int32)
-      step, cache = model.step(token[:, None], lengths[:, None], cache, lengths,
-                               with_heads=False)
-      following = jnp.argmax(model.logits(step.normed[:, 0]), axis=-1).astype(jnp.int32)
-      return (following, cache), (token, step.hidden[:, 0].astype(jnp.float32), following)
+      hidden, layer_inputs, cache = model.trunk.cached_forward(
+          token[:, None], lengths[:, None], cache, lengths, None, layers)
+      following = jnp.argmax(model.logits(model.trunk.final_norm(hidden[:, 0])),
+                             axis=-1).astype(jnp.int32)
+      return (following, cache), (token, hidden[:, 0].astype(jnp.float32),
+                                  _stacked(layer_inputs, layers, hidden)[:, 0], following)
 
-    _, (tokens, hidden, following) = jax.lax.scan(
+    _, (tokens, hidden, inputs, following) = jax.lax.scan(
         one_token, (predictions[:, -1], cache), jnp.arange(p, seq_len, dtype=jnp.int32))
     return (jnp.concatenate([prompts.astype(jnp.int32), tokens.T], axis=1),
-            jnp.concatenate([out.hidden.astype(jnp.float32), jnp.swapaxes(hidden, 0, 1)], 1),
+            jnp.concatenate([prompt_states[0], jnp.swapaxes(hidden, 0, 1)], 1),
+            jnp.concatenate([prompt_states[1], jnp.swapaxes(inputs, 0, 1)], 1),
             jnp.concatenate([predictions, following.T], axis=1))
   return rollout

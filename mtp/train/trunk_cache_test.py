@@ -36,9 +36,13 @@ def _losses(workdir):
           for m in writers.read_metrics(workdir) if 'loss' in m]
 
 
-@pytest.mark.parametrize('head_type', ['medusa', 'sequential'])
+@pytest.mark.parametrize('head_type, stored', [
+    ('medusa', ['targets.npy', 'trunk_hidden.npy']),
+    ('sequential', ['targets.npy', 'trunk_hidden.npy']),
+    # Streams run the trunk's top layers on their own tokens: their inputs are kept too.
+    ('streaming', ['targets.npy', 'trunk_hidden.npy', 'trunk_layer_inputs.npy'])])
 def test_cached_trunk_states_train_the_heads_as_the_trunk_would(trained_workdir, tmp_path,
-                                                                 head_type):
+                                                                 head_type, stored):
   """Caching is an optimisation only: the same steps give the same losses."""
   plain = _heads_config(trained_workdir, **{'model.mtp_head_type': head_type})
   cached = _heads_config(trained_workdir, **{'model.mtp_head_type': head_type,
@@ -48,7 +52,7 @@ def test_cached_trunk_states_train_the_heads_as_the_trunk_would(trained_workdir,
   np.testing.assert_allclose(_losses(tmp_path / 'cached'), _losses(tmp_path / 'plain'),
                              rtol=2e-5)
   [directory] = (tmp_path / 'cached' / 'trunk_cache').iterdir()
-  assert sorted(p.name for p in directory.iterdir()) == ['targets.npy', 'trunk_hidden.npy']
+  assert sorted(p.name for p in directory.iterdir()) == stored
 
 
 def test_teacher_targets_are_the_trunks_own_greedy_tokens(trained_workdir, tmp_path):
@@ -96,12 +100,14 @@ def test_rollout_rows_are_the_trunks_greedy_continuations(trained_workdir, tmp_p
   prompt_len = 6
   config = _heads_config(trained_workdir, **{
       'distill.targets': 'rollout', 'distill.cache_trunk_states': True,
-      'distill.prompt_len': prompt_len, 'eval_steps': 1})
+      'distill.prompt_len': prompt_len, 'eval_steps': 1, 'model.mtp_head_type': 'streaming',
+      'model.streaming_layers': 1})
   metrics = trainer_lib.train_and_evaluate(config, tmp_path)
   assert 'ntp_loss' not in metrics and 'eval_head_1_acc' in metrics
   [split] = (tmp_path / 'data_cache').glob('train-*.npz')
   prompts = trunk_cache.rollout_prompts(dict(np.load(split)), prompt_len)
-  [rows] = [trunk_cache.load(d, ['tokens', 'positions', 'targets', 'head_mask', 'trunk_hidden'])
+  [rows] = [trunk_cache.load(d, ['tokens', 'positions', 'targets', 'head_mask', 'trunk_hidden',
+                                  'trunk_layer_inputs'])
             for d in (tmp_path / 'trunk_cache').iterdir()
             if np.load(d / 'tokens.npy').shape[0] == len(prompts)]  # not the eval rows
   seq_len = config.data.seq_len
@@ -113,9 +119,12 @@ def test_rollout_rows_are_the_trunks_greedy_continuations(trained_workdir, tmp_p
   np.testing.assert_array_equal(rows['tokens'][:4, prompt_len:], greedy.tokens)
   # On the continuation the trunk's next token is the row's next token.
   np.testing.assert_array_equal(rows['targets'][:, prompt_len:], rows['tokens'][:, prompt_len:])
-  hidden, _ = source.trunk(rows['tokens'][:4], rows['positions'][:4],
-                           np.ones((4, seq_len), np.int32))
+  last = source.cfg.trunk.num_layers - 1  # The streamed layer's input is kept too.
+  hidden, inputs = source.trunk.train_forward(rows['tokens'][:4], rows['positions'][:4],
+                                              np.ones((4, seq_len), np.int32), [last])
   np.testing.assert_allclose(rows['trunk_hidden'][:4], hidden, atol=2e-4, rtol=2e-4)
+  np.testing.assert_allclose(rows['trunk_layer_inputs'][:4, :, 0], inputs[last], atol=2e-4,
+                             rtol=2e-4)
   np.testing.assert_array_equal(rows['head_mask'][0], np.arange(seq_len) >= prompt_len - 1)
 
 

@@ -14,8 +14,8 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
     as `layer_inputs` (a family that asks for none is called without that argument). Such a
     family may also rerun trunk layers on its own tokens: `trunk.layer(i)` is layer i's
     `Block`, sharing the trunk's weights. A cached trunk state
-    (`distill.cache_trunk_states`) holds the last hidden state only, so those families cannot
-    train on one (`mtp.train.config_checks` refuses the combination);
+    (`distill.cache_trunk_states`) keeps those layers' inputs beside the last hidden state
+    (`mtp.train.trunk_cache`), so a frozen trunk runs once for them too;
   * its KV-cache layers (`num_cache_layers`), which follow the trunk's layers in the cache;
   * whether it runs inside the verification pass (`RUNS_IN_VERIFICATION`; it then writes all
     of its cache layers there) and its part of that pass (`verify`), which returns the

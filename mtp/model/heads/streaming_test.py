@@ -20,7 +20,6 @@ from mtp.model import testing
 from mtp.model import transformer
 from mtp.model.heads import streaming
 from mtp.parallel import mesh as mesh_lib
-from mtp.train import config_checks
 from mtp.train import step as step_lib
 from mtp.train import testing as train_testing
 
@@ -230,13 +229,7 @@ def test_bad_options_are_named(options, message):
     mtp_model.MTPModel(_config(**options), rngs=nnx.Rngs(0))
 
 
-def test_a_cached_trunk_state_is_refused():
-  config = train_testing.tiny_config(**{
-      'model.mtp_head_type': 'streaming', 'optim.mode': 'frozen_trunk',
-      'init_from': '/tmp/unused', 'distill.cache_trunk_states': True})
-  with pytest.raises(ValueError, match=r"'streaming' reads the inputs of trunk layers \[0, 1\], "
-                                       'and distill.cache_trunk_states keeps'):
-    config_checks.validate_config(config)
+def test_a_trunk_state_without_the_layer_inputs_is_refused():
   model = _model()
   tokens = jnp.zeros((1, 4), jnp.int32)
   with pytest.raises(ValueError, match='reads the inputs of trunk layers'):
