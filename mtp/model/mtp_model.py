@@ -167,11 +167,14 @@ class MTPModel(nnx.Module):
     """Normalised hidden states [..., D] -> float32 logits [..., V]."""
     return self.trunk.logits(normed)
 
-  def __call__(self, tokens: Array, positions: Array, segment_ids: Array | None = None) -> Array:
+  def __call__(self, tokens: Array, positions: Array, segment_ids: Array | None = None,
+               head_positions: Array | None = None) -> Array:
     """Training forward.
 
     Args:
       tokens, positions, segment_ids: [B, T] (segment id 0 marks padding).
+      head_positions: [P] the positions where the heads' outputs are read (None: all); a
+        family that can (`HeadFamily.TRAINS_AT_HEAD_POSITIONS`) computes only those.
 
     Returns:
       [K+1, B, T, D]: entry 0 is the trunk's normalised hidden state (next token), entry k the
@@ -181,11 +184,12 @@ class MTPModel(nnx.Module):
       segment_ids = jnp.ones(tokens.shape, jnp.int32)
     hidden, layer_inputs = self.trunk.train_forward(tokens, positions, segment_ids,
                                                     self.cfg.trunk_layer_inputs)
-    return self.outputs_from_trunk(hidden, tokens, positions, segment_ids, layer_inputs)
+    return self.outputs_from_trunk(hidden, tokens, positions, segment_ids, layer_inputs,
+                                   head_positions)
 
   def outputs_from_trunk(self, hidden: Array, tokens: Array, positions: Array,
-                         segment_ids: Array, layer_inputs: Mapping[int, Array] | None = None
-                         ) -> Array:
+                         segment_ids: Array, layer_inputs: Mapping[int, Array] | None = None,
+                         head_positions: Array | None = None) -> Array:
     """The training forward after the trunk: its final norm, then the heads.
 
     Training heads on a frozen trunk can cache the trunk's `hidden` once and start here
@@ -197,6 +201,7 @@ class MTPModel(nnx.Module):
       tokens, positions, segment_ids: [B, T] as for `__call__`.
       layer_inputs: {i: [B, T, D]} the inputs of the trunk layers the heads read
         (`Transformer.train_forward`); needed only by families that ask for some.
+      head_positions: as `__call__`.
 
     Returns:
       [K+1, B, T, D] as `__call__`.
@@ -218,6 +223,8 @@ class MTPModel(nnx.Module):
               f'model.mtp_head_type={self.cfg.mtp_head_type!r} reads the inputs of trunk '
               f'layers {missing}, which were not given.')
         extra['layer_inputs'] = {i: layer_inputs[i] for i in needed}
+      if self.cfg.family.TRAINS_AT_HEAD_POSITIONS:
+        extra['head_positions'] = head_positions
       outputs += self.heads(self.trunk, hidden, normed, tokens, positions, mask, **extra)
     return jnp.stack(outputs)
 

@@ -114,12 +114,16 @@ class StepFlops:
 
 
 def _head_forward(model_cfg: mtp_model.ModelConfig, batch_size: int, seq_len: int,
-                  count: AttentionCount) -> model_flops.HeadFlops:
-  """The heads' forward FLOPs, counted by their family (nothing without heads)."""
+                  count: AttentionCount, head_positions: int) -> model_flops.HeadFlops:
+  """The heads' forward FLOPs, counted by their family (nothing without heads); a family that
+  computes only the `head_positions` positions its losses read is told their number."""
   if not model_cfg.mtp_num_heads:
     return model_flops.HeadFlops(0.0, 0.0, 0.0)
+  extra = {}
+  if model_cfg.family.TRAINS_AT_HEAD_POSITIONS:
+    extra['head_positions'] = head_positions
   return model_cfg.family.train_flops(model_cfg.trunk, model_cfg.mtp_num_heads,
-                                      model_cfg.options, batch_size, seq_len, count)
+                                      model_cfg.options, batch_size, seq_len, count, **extra)
 
 
 def train_step_flops(config: ml_collections.ConfigDict,
@@ -150,9 +154,9 @@ def train_step_flops(config: ml_collections.ConfigDict,
   trunk_passes = 0 if trunk_cached else (1 if frozen_trunk else 3)
   trunk_fwd = cfg.num_layers * block_matmul_flops(cfg, tokens)
   trunk_attention_fwd = cfg.num_layers * attention_flops(cfg, b, t, attention)
-  head_fwd, head_attention_fwd, head_remat_fwd = _head_forward(model_cfg, b, t, attention)
-
   stride = config.get('mtp_head_loss_stride', 1)
+  head_fwd, head_attention_fwd, head_remat_fwd = _head_forward(model_cfg, b, t, attention,
+                                                               t // stride)
   output_rows = (0 if trunk_is_teacher else tokens) + num_heads * b * (t // stride)
   output_passes = 2 if frozen_trunk else 3  # A frozen output layer gets no weight gradient.
   output_fwd = 2.0 * cfg.embed_dim * cfg.vocab_size * output_rows

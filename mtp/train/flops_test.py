@@ -46,11 +46,14 @@ def _tiny(**overrides):
     # Two streams in both layers, with adapters; remat recomputes the streamed layers.
     {'model.mtp_head_type': 'streaming', 'model.num_layers': 2, 'model.streaming_layers': 2,
      'model.streaming_adapter_rank': 2, 'model.remat': 'heads'},
+    # Streams run at the strided positions the heads' losses read only.
+    {'model.mtp_head_type': 'streaming', 'model.num_layers': 2, 'model.streaming_layers': 1,
+     'mtp_head_loss_stride': 4},
     # Medusa-1: no trunk backward pass at all (XLA counted 1.61x when the trunk's gradients
     # were computed and thrown away).
     {'model.mtp_head_type': 'medusa', 'optim.mode': 'frozen_trunk'},
 ], ids=['medusa', 'sequential', 'parallel-remat-stride', 'eagle', 'streaming-remat',
-       'medusa-frozen-trunk'])
+       'streaming-stride', 'medusa-frozen-trunk'])
 def test_model_flops_match_xla_cost_analysis_within_the_elementwise_gap(overrides):
   config = _tiny(**overrides)
   counted = flops.train_step_flops(config, attention='full')

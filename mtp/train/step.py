@@ -142,6 +142,10 @@ class Trainer:
     """Training (step given) computes the heads' losses at every `mtp_head_loss_stride`-th
     position, rotating with the step; evaluation (step None) at every position."""
     model = nnx.merge(self.graphdef, params)
+    stride = self.config.mtp_head_loss_stride
+    positions = None
+    if step is not None and stride > 1:
+      positions = loss_lib.head_positions(batch.tokens.shape[1], stride, step)
     with mesh_lib.activations_on(self.mesh):  # Every device computes its own rows only.
       if batch.trunk_hidden is not None:  # The frozen trunk ran once, ahead of training.
         layer_inputs = None
@@ -149,15 +153,11 @@ class Trainer:
           layer_inputs = {i: batch.trunk_layer_inputs[:, :, m]
                           for m, i in enumerate(model.cfg.trunk_layer_inputs)}
         hidden = model.outputs_from_trunk(batch.trunk_hidden, batch.tokens, batch.positions,
-                                          batch.segment_ids, layer_inputs)
+                                          batch.segment_ids, layer_inputs, positions)
       else:
-        hidden = model(batch.tokens, batch.positions, batch.segment_ids)
+        hidden = model(batch.tokens, batch.positions, batch.segment_ids, positions)
       hidden = mesh_lib.constrain_batch(hidden, row_axis=1)  # [K+1, B, T, D]
     labels = batch.tokens if batch.targets is None else batch.targets
-    stride = self.config.mtp_head_loss_stride
-    positions = None
-    if step is not None and stride > 1:
-      positions = loss_lib.head_positions(batch.tokens.shape[1], stride, step)
     out = loss_lib.mtp_loss(hidden, model.unembedding(), labels, batch.segment_ids,
                             loss_scaling_factor=self.config.mtp_loss_scaling_factor,
                             weights=self.loss_weights, chunk_size=self.config.loss_chunk_size,

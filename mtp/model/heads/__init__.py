@@ -172,6 +172,8 @@ class HeadFamily(nnx.Module):
   # Whether `verify` runs inside the verification pass (and writes all the family's cache
   # layers there); otherwise the features are the trunk's own states and `verify` is free.
   RUNS_IN_VERIFICATION: ClassVar[bool] = False
+  # Whether `__call__` takes `head_positions`, computing its outputs at those positions only.
+  TRAINS_AT_HEAD_POSITIONS: ClassVar[bool] = False
 
   def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
                options: Mapping[str, Any], *, rngs: nnx.Rngs):
@@ -247,6 +249,11 @@ class HeadFamily(nnx.Module):
 
     A family with `trunk_layer_inputs` also receives `layer_inputs`: {i: [B, T, D]} the
     trunk's input to each of those layers (keyword argument).
+
+    A family with `TRAINS_AT_HEAD_POSITIONS` also receives `head_positions`: [P] int32, the
+    positions where the heads' losses count this step (`mtp.train.loss.head_positions`), or
+    None for all; its outputs elsewhere are never read and may be zeros. It then also takes
+    `head_positions` (their number P, or None for T) in `train_flops`.
 
     Returns:
       K arrays [B, T, D]: head k's normalised hidden state (predicting token t+1+k).

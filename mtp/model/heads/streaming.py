@@ -135,29 +135,30 @@ def stream_attention(q: Array, k_main: Array, v_main: Array, k_streams: Array,
   softmax over both parts), without scoring the T·γ other positions' stream keys.
 
   Args:
-    q: [B, T, γ, Q, H] stream queries (rotated).
+    q: [B, P, γ, Q, H] stream queries (rotated) at P of the T positions (P = T: all).
     k_main, v_main: [B, T, G, H] the main stream's keys (rotated) and values.
-    k_streams, v_streams: [B, T, γ, G, H] the streams' keys (rotated) and values.
-    mask: [B, 1, T, T] the trunk's training mask (main query t's row serves its streams).
+    k_streams, v_streams: [B, P, γ, G, H] the streams' keys (rotated) and values.
+    mask: [B, 1, P, T] the trunk's training mask at the queries' positions (main query t's row
+      serves its streams).
 
   Returns:
-    [B, T, γ, Q, H] in q's dtype.
+    [B, P, γ, Q, H] in q's dtype.
   """
-  b, t, gamma, num_q, h = q.shape
-  g = k_main.shape[2]
-  q = q.reshape(b, t, gamma, g, num_q // g, h)  # Query heads grouped by their key/value head.
+  b, p, gamma, num_q, h = q.shape
+  t, g = k_main.shape[1:3]
+  q = q.reshape(b, p, gamma, g, num_q // g, h)  # Query heads grouped by their key/value head.
   scale = h ** -0.5
   main = jnp.einsum('btjgrh,bsgh->bgrtjs', q, k_main,
-                    preferred_element_type=jnp.float32) * scale  # [B, G, R, T, γ, T]
+                    preferred_element_type=jnp.float32) * scale  # [B, G, R, P, γ, T]
   own = jnp.einsum('btjgrh,btigh->bgrtji', q, k_streams,
-                   preferred_element_type=jnp.float32) * scale  # [B, G, R, T, γ, γ]
+                   preferred_element_type=jnp.float32) * scale  # [B, G, R, P, γ, γ]
   lowest = jnp.finfo(jnp.float32).min
   main = jnp.where(mask[:, :, None, :, None, :], main, lowest)
   own = jnp.where(jnp.tril(jnp.ones((gamma, gamma), bool)), own, lowest)
   probs = jax.nn.softmax(jnp.concatenate([main, own], axis=-1), axis=-1).astype(v_main.dtype)
   out = (jnp.einsum('bgrtjs,bsgh->btjgrh', probs[..., :t], v_main)
          + jnp.einsum('bgrtji,btigh->btjgrh', probs[..., t:], v_streams))
-  return out.reshape(b, t, gamma, num_q, h).astype(q.dtype)
+  return out.reshape(b, p, gamma, num_q, h).astype(q.dtype)
 
 
 class StreamAdapters(nnx.Module):
@@ -189,28 +190,32 @@ class StreamAdapters(nnx.Module):
 
 
 def _stream_layer(block: transformer.Block, adapters: StreamAdapters | None, main_x: Array,
-                  streams: Array, positions: Array, mask: Array) -> Array:
-  """One streamed layer: the trunk's `block` run on the stream tokens.
+                  main_positions: Array, streams: Array, stream_positions: Array,
+                  mask: Array) -> Array:
+  """One streamed layer: the trunk's `block` run on the stream tokens of P positions.
 
   Args:
     block: the trunk's layer (its weights, shared).
     adapters: this layer's adapters, or None.
     main_x: [B, T, D] the main stream's input to this layer (for its keys and values).
-    streams: [B, T, γ, D] the streams' input to this layer.
-    positions: [B, T] the main positions t (stream j sits at t + j).
-    mask: [B, 1, T, T] the trunk's training mask.
+    main_positions: [B, T] the main stream's positions.
+    streams: [B, P, γ, D] the streams' input to this layer, at P of the T positions.
+    stream_positions: [B, P] those positions t (stream j sits at t + j).
+    mask: [B, 1, P, T] the trunk's training mask at those positions' rows.
 
   Returns:
-    [B, T, γ, D] the streams after the layer.
+    [B, P, γ, D] the streams after the layer.
   """
   cfg = block.attn.cfg
-  b, t, gamma, _ = streams.shape
+  b, p, gamma, _ = streams.shape
+  t = main_x.shape[1]
   hd, nq, g = cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
   _, k_main, v_main = block.attn.projections(block.attn_norm(main_x))
-  k_main = transformer.rotary_embedding(k_main.reshape(b, t, g, hd), positions, cfg.rope_theta)
+  k_main = transformer.rotary_embedding(k_main.reshape(b, t, g, hd), main_positions,
+                                        cfg.rope_theta)
   v_main = v_main.reshape(b, t, g, hd)
-  q, k, v = _stream_projections(block, adapters, streams, positions)
-  out = stream_attention(q.reshape(b, t, gamma, nq, hd), k_main, v_main, k, v, mask)
+  q, k, v = _stream_projections(block, adapters, streams, stream_positions)
+  out = stream_attention(q.reshape(b, p, gamma, nq, hd), k_main, v_main, k, v, mask)
   return _stream_layer_output(block, streams, out)
 
 
@@ -300,6 +305,8 @@ class StreamingHeads(heads.HeadFamily):
   }
   # The streams ride the pass that verifies a block (`verify`); they write no cache layers.
   RUNS_IN_VERIFICATION = True
+  # Training runs the streams of the positions whose losses count only (`mtp_head_loss_stride`).
+  TRAINS_AT_HEAD_POSITIONS = True
 
   def __init__(self, trunk_cfg: transformer.TransformerConfig, num_heads: int,
                options: Mapping[str, Any], *, rngs: nnx.Rngs):
@@ -326,40 +333,68 @@ class StreamingHeads(heads.HeadFamily):
     return tuple(range(trunk_cfg.num_layers - n, trunk_cfg.num_layers))
 
   @classmethod
-  def train_flops(cls, trunk_cfg, num_heads, options, batch_size, seq_len, count='causal'):
-    """Per streamed layer: the trunk's layer over B·T·γ stream tokens, the main keys and
-    values over B·T tokens again, the adapters; attention of T·γ queries to the main keys
-    (causal: s <= t) and their position's streams (i <= j). Remat recomputes it all."""
+  def train_flops(cls, trunk_cfg, num_heads, options, batch_size, seq_len, count='causal',
+                  head_positions=None):
+    """Per streamed layer: the trunk's layer over B·P·γ stream tokens (P = head_positions
+    positions of T, all by default), the main keys and values over B·T tokens again, the
+    adapters; attention of P·γ queries to the main keys (causal: s <= t, P·(T+1)/2 pairs per
+    stream on average over the stride's offsets) and their position's streams (i <= j).
+    Remat recomputes it all."""
     cfg, gamma = trunk_cfg, num_heads
     n, rank = options['streaming_layers'], options['streaming_adapter_rank']
-    tokens = batch_size * seq_len
+    p = seq_len if head_positions is None else head_positions
+    tokens, queried = batch_size * seq_len, batch_size * p
     q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = (flops.block_matmul_flops(cfg, tokens * gamma)
+    per_layer = (flops.block_matmul_flops(cfg, queried * gamma)
                  + 2.0 * 2 * cfg.embed_dim * kv_width * tokens
-                 + 2.0 * rank * (2 * cfg.embed_dim + q_width + kv_width) * tokens * gamma)
+                 + 2.0 * rank * (2 * cfg.embed_dim + q_width + kv_width) * queried * gamma)
     if count == 'causal':
-      pairs = gamma * seq_len * (seq_len + 1) / 2 + seq_len * gamma * (gamma + 1) / 2
+      pairs = gamma * p * (seq_len + 1) / 2 + p * gamma * (gamma + 1) / 2
     else:
-      pairs = float(gamma * seq_len * seq_len + seq_len * gamma * gamma)
+      pairs = float(gamma * p * seq_len + p * gamma * gamma)
     attention = 4.0 * batch_size * cfg.num_attention_heads * cfg.head_dim * pairs
     return flops.HeadFlops(n * per_layer, n * attention, n * (per_layer + attention))
 
   def __call__(self, trunk, hidden, normed, tokens, positions, mask, *,
-               layer_inputs: Mapping[int, Array]) -> list[Array]:
+               layer_inputs: Mapping[int, Array], head_positions: Array | None = None
+               ) -> list[Array]:
+    """The streams' outputs; with `head_positions` [P] computed at those positions only (the
+    ones the loss reads) and zero elsewhere: the streams of a position depend on the main
+    stream alone, never on other positions' streams, so skipping them changes nothing else."""
     del hidden, normed, tokens  # The streams start from a layer input.
     main = layer_inputs[self._streamed_layers(trunk.cfg)[0]]
-    streams = main[:, :, None, :] + self.embeddings[...].astype(main.dtype)  # [B, T, γ, D]
-    streams = self.run_streams(trunk, streams, layer_inputs, positions, mask)
-    return [trunk.final_norm(streams[:, :, j]) for j in range(self.num_streams)]
+    stream_positions, stream_mask_rows, start = positions, mask, main
+    if head_positions is not None:
+      stream_positions = positions[:, head_positions]
+      stream_mask_rows = mask[:, :, head_positions]
+      start = main[:, head_positions]
+    streams = start[:, :, None, :] + self.embeddings[...].astype(main.dtype)  # [B, P, γ, D]
+    streams = self.run_streams(trunk, streams, layer_inputs, positions, stream_positions,
+                               stream_mask_rows)
+    outputs = [trunk.final_norm(streams[:, :, j]) for j in range(self.num_streams)]
+    if head_positions is not None:
+      outputs = [jnp.zeros(main.shape, x.dtype).at[:, head_positions].set(x) for x in outputs]
+    return outputs
 
   def run_streams(self, trunk: transformer.Transformer, streams: Array,
-                  layer_inputs: Mapping[int, Array], positions: Array, mask: Array) -> Array:
-    """The streamed layers: streams [B, T, γ, D] entering layer L - N_s -> leaving layer L - 1
-    (before the final norm); `layer_inputs` and the rest as `__call__` receives them."""
+                  layer_inputs: Mapping[int, Array], positions: Array,
+                  stream_positions: Array, mask: Array) -> Array:
+    """The streamed layers: streams [B, P, γ, D] entering layer L - N_s -> leaving layer L - 1
+    (before the final norm).
+
+    Args:
+      trunk: the trunk (its streamed layers' weights).
+      streams: [B, P, γ, D] at P of the T positions.
+      layer_inputs: {i: [B, T, D]} the main stream's input to each streamed layer.
+      positions: [B, T] the main stream's positions.
+      stream_positions: [B, P] the streams' positions.
+      mask: [B, 1, P, T] the training mask's rows at the streams' positions.
+    """
     layer_fn = _rematerialised_stream_layer if trunk.cfg.remat != 'none' else _stream_layer
     for n, i in enumerate(self._streamed_layers(trunk.cfg)):
       adapters = self.adapters[n] if self.adapters is not None else None
-      streams = layer_fn(trunk.layer(i), adapters, layer_inputs[i], streams, positions, mask)
+      streams = layer_fn(trunk.layer(i), adapters, layer_inputs[i], positions, streams,
+                         stream_positions, mask)
     return streams
 
   def hf_export(self, context: heads.HFExportContext) -> heads.HFExport:

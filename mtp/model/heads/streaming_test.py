@@ -20,6 +20,7 @@ from mtp.model import testing
 from mtp.model import transformer
 from mtp.model.heads import streaming
 from mtp.parallel import mesh as mesh_lib
+from mtp.train import loss as loss_lib
 from mtp.train import step as step_lib
 from mtp.train import testing as train_testing
 
@@ -136,7 +137,8 @@ def test_stream_j_reads_only_its_positions_streams_up_to_j():
   streams = jnp.asarray(np.random.default_rng(0).normal(size=(b, t, gamma, d)), jnp.float32)
 
   def run(streams):
-    return model.heads.run_streams(trunk, streams, layer_inputs, _positions(b, t), mask)
+    return model.heads.run_streams(trunk, streams, layer_inputs, _positions(b, t),
+                                   _positions(b, t), mask)
 
   out, vjp = jax.vjp(run, streams)
   for position, j in [(0, 0), (3, 1), (6, 2), (4, 0)]:
@@ -227,6 +229,57 @@ def test_extra_parameters_are_tiny_next_to_medusa():
 def test_bad_options_are_named(options, message):
   with pytest.raises(ValueError, match=message):
     mtp_model.MTPModel(_config(**options), rngs=nnx.Rngs(0))
+
+
+def test_streams_at_head_positions_only_equal_all_streams_there():
+  """Training with a head-loss stride runs the streams of the positions whose losses count
+  only: equal there (packed rows, adapters), zero elsewhere, the same gradients."""
+  model = _model(streaming_adapter_rank=2)
+  b, t = 3, 12
+  tokens = jnp.asarray(testing.random_tokens((b, t), 61))
+  segments = _segments(np.random.default_rng(3), b, t)
+  positions = _positions(b, t)
+  at = loss_lib.head_positions(t, 3, 7)  # 1, 4, 7, 10
+  full = model(tokens, positions, segments)
+  strided = model(tokens, positions, segments, at)
+  np.testing.assert_array_equal(strided[0], full[0])  # The main stream.
+  np.testing.assert_allclose(strided[1:, :, at], full[1:, :, at], atol=1e-5)
+  assert not np.any(strided[1:, :, np.setdiff1d(np.arange(t), at)])
+
+  graphdef, params = nnx.split(model)
+
+  def read_there(params, head_positions):
+    out = nnx.merge(graphdef, params)(tokens, positions, segments, head_positions)
+    return jnp.sum(jnp.sin(out[1:, :, at]))
+
+  grads = [nnx.state(nnx.merge(graphdef, jax.grad(read_there)(params, p)).heads)
+           for p in (None, at)]
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), *grads)
+
+
+def test_a_strided_training_step_is_the_same_step():
+  """The trainer passes the step's head positions: two steps give the losses of streams run at
+  every position (the family's flag off)."""
+  config = train_testing.tiny_config(**{
+      'model.mtp_head_type': 'streaming', 'model.vocab_size': 32, 'mtp_head_loss_stride': 2,
+      'optim.learning_rate': 1e-2})
+  rows = np.random.default_rng(0).integers(0, 32, (8, 32)).astype(np.int32)
+  arrays = {'tokens': rows, 'segment_ids': np.ones_like(rows),
+            'positions': np.broadcast_to(np.arange(32, dtype=np.int32), rows.shape)}
+
+  def losses():
+    trainer = step_lib.Trainer(config, mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=1)))
+    state, out = trainer.init_state(), []
+    for _ in range(2):
+      state, metrics = trainer.train_step(state, trainer.train_batch(arrays))
+      out.append([float(metrics[k]) for k in ('loss', 'head_1_loss', 'head_2_loss')])
+    return out
+
+  strided = losses()
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(streaming.StreamingHeads, 'TRAINS_AT_HEAD_POSITIONS', False)
+    every = losses()
+  np.testing.assert_allclose(strided, every, rtol=1e-5)
 
 
 def test_a_trunk_state_without_the_layer_inputs_is_refused():
