@@ -58,8 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
   # verify against (generated once, with a KV cache, under workdir/trunk_cache).
   c.distill.targets = 'text'
   # optim.mode='frozen_trunk' only: run the trunk once over the training rows, keep its last
-  # hidden state (float32, D values per token, under workdir/trunk_cache) and train the heads
-  # on it, so a step costs the heads alone. Single-process runs.
+  # hidden state (float32, D values per token, under workdir/trunk_cache), and the inputs of
+  # the trunk layers the heads read (D more per layer: Speculative Streaming's streamed
+  # layers), and train the heads on them, so a step costs the heads alone. Single-process runs.
   c.distill.cache_trunk_states = False
   c.distill.batch_size = 8         # rows per trunk pass (or rollout) while building that cache
   c.distill.prompt_len = 32        # 'rollout': prompt tokens per row; the trunk writes the rest

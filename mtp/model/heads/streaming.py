@@ -52,7 +52,11 @@ Choices the paper leaves open:
     run every node, and the early-exit logits cost a projection per node).
   * Training: the trunk's loss and the streams' losses as for any family (`mtp.train.loss`);
     joint training updates the shared layers (the paper fine-tunes the whole model), and
-    `optim.mode='frozen_trunk'` trains the embeddings (and adapters) alone.
+    `optim.mode='frozen_trunk'` trains the embeddings (and adapters) alone. Only the positions
+    whose head losses count run their streams (`mtp_head_loss_stride`: a position's streams
+    read the main stream only, so the others are never needed), and a frozen trunk's cache
+    keeps the streamed layers' inputs (`distill.cache_trunk_states`), so Medusa-1-style
+    training runs the trunk once.
 
 Decoding: the streams ride the pass that verifies a block (`verify`). Every block token (tree
 node) carries its γ streams through the streamed layers, attending to what that node's main
