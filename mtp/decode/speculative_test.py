@@ -25,7 +25,9 @@ from mtp.decode import trees
 from mtp.model import mtp_model
 from mtp.model import testing
 
-HEAD_TYPES = ('medusa', 'parallel', 'sequential', 'streaming')
+HEAD_TYPES = ('medusa', 'parallel', 'sequential', 'streaming', 'eagle3')
+# Names above that are option variants of a family: name -> (family, options).
+VARIANTS = {'eagle3': ('eagle', (('eagle_features', 'fused'), ('eagle_input', 'concat')))}
 PROMPT_LENGTHS = np.array([7, 3, 5], np.int32)
 MAX_NEW = 16
 TREE = trees.tree_from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)])
@@ -81,9 +83,18 @@ def ar_model():
   return testing.tiny_model(0, mtp_num_heads=0)
 
 
+def _head_model(name):
+  """testing.tiny_model(0) of a family, or of a `VARIANTS` name."""
+  if name not in VARIANTS:
+    return testing.tiny_model(0, head_type=name)
+  family, options = VARIANTS[name]
+  cfg = dataclasses.replace(testing.tiny_config(head_type=family), head_options=options)
+  return mtp_model.MTPModel(cfg, rngs=nnx.Rngs(0))
+
+
 @pytest.fixture(scope='module')
 def models(ar_model):
-  out = {h: testing.tiny_model(0, head_type=h) for h in HEAD_TYPES}
+  out = {h: _head_model(h) for h in HEAD_TYPES}
   # The heads are built after the trunk, so every family shares the head-less model's trunk:
   # one autoregressive reference serves them all.
   for model in out.values():
@@ -126,9 +137,9 @@ def _check_statistics(out, max_depth):
 # Parallel heads' chain runs without a hook at batch 1 below (compiling costs test time).
 @pytest.mark.parametrize('head_type,tree', [
     ('medusa', 3), ('medusa', TREE), ('parallel', TREE), ('sequential', 3),
-    ('sequential', TREE), ('streaming', TREE)],
+    ('sequential', TREE), ('streaming', TREE), ('eagle3', 3), ('eagle3', TREE)],
     ids=['medusa-chain', 'medusa-tree', 'parallel-tree', 'sequential-chain', 'sequential-tree',
-         'streaming-tree'])
+         'streaming-tree', 'eagle3-chain', 'eagle3-tree'])
 def test_greedy_output_equals_autoregressive(models, ar_model, prompts, reference, head_type,
                                              tree):
   """One compiled decoder per case; the hook picks the drafts per row at run time."""

@@ -13,6 +13,22 @@ from mtp.model import mtp_model
 from mtp.model import testing
 
 HEAD_TYPES = tuple(heads.FAMILIES)
+# Option variants of a family that change its drafting path: name -> (family, options).
+VARIANTS = {
+    'eagle3': ('eagle', {'eagle_features': 'fused', 'eagle_input': 'concat'}),
+    'eagle-fused-fc': ('eagle', {'eagle_features': 'fused', 'eagle_fused_layers': '1'}),
+    'eagle-last-concat': ('eagle', {'eagle_input': 'concat'}),
+}
+
+
+def _variant_model(name, **kwargs):
+  """testing.tiny_model of a family name or of a `VARIANTS` name."""
+  family, options = VARIANTS.get(name, (name, {}))
+  if not options:
+    return testing.tiny_model(head_type=family, **kwargs)
+  cfg = dataclasses.replace(testing.tiny_config(head_type=family, **kwargs),
+                            head_options=tuple(sorted(options.items())))
+  return mtp_model.MTPModel(cfg, rngs=nnx.Rngs(0))
 
 
 def _positions(b, t, start=0):
@@ -40,13 +56,13 @@ def test_no_heads_is_a_plain_language_model():
   assert model.num_cache_layers == model.num_verified_cache_layers == 2
 
 
-@pytest.mark.parametrize('head_type', HEAD_TYPES)
+@pytest.mark.parametrize('head_type', HEAD_TYPES + tuple(VARIANTS))
 def test_cached_steps_and_drafts_equal_training(head_type):
   """Prefill, draft, verification step, draft: each head's draft logits equal the training
   forward's on the same text, where the text holds the drafts that a chain of sequential modules
   fed to its later modules (they stand for tokens not yet known)."""
   k, b = 3, 2
-  model = testing.tiny_model(head_type=head_type, mtp_num_heads=k)
+  model = _variant_model(head_type, mtp_num_heads=k)
   tokens = testing.random_tokens((b, 16), 61, seed=1)
   cache = model.init_cache(b, 32)
   drafts = []

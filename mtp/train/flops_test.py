@@ -43,6 +43,12 @@ def _tiny(**overrides):
     # Two depths: the second attends to the first's keys as well.
     pytest.param({'model.mtp_head_type': 'eagle'}, marks=pytest.mark.skipif(
         'eagle' not in heads.FAMILIES, reason='the eagle family is not registered')),
+    # EAGLE-3: the fusion of both layers' inputs, then 2D-wide q/k/v at each of two depths.
+    {'model.mtp_head_type': 'eagle', 'model.num_layers': 2, 'model.eagle_features': 'fused',
+     'model.eagle_input': 'concat'},
+    # Fused features into EAGLE-1's fc, depth 1 only; remat recomputes the drafter's layer.
+    {'model.mtp_head_type': 'eagle', 'model.num_layers': 2, 'model.eagle_features': 'fused',
+     'model.eagle_train_features': 'trunk', 'model.remat': 'full'},
     # Two streams in both layers, with adapters; remat recomputes the streamed layers.
     {'model.mtp_head_type': 'streaming', 'model.num_layers': 2, 'model.streaming_layers': 2,
      'model.streaming_adapter_rank': 2, 'model.remat': 'heads'},
@@ -52,7 +58,8 @@ def _tiny(**overrides):
     # Medusa-1: no trunk backward pass at all (XLA counted 1.61x when the trunk's gradients
     # were computed and thrown away).
     {'model.mtp_head_type': 'medusa', 'optim.mode': 'frozen_trunk'},
-], ids=['medusa', 'sequential', 'parallel-remat-stride', 'eagle', 'streaming-remat',
+], ids=['medusa', 'sequential', 'parallel-remat-stride', 'eagle', 'eagle3',
+       'eagle-fused-trunk-remat', 'streaming-remat',
        'streaming-stride', 'medusa-frozen-trunk'])
 def test_model_flops_match_xla_cost_analysis_within_the_elementwise_gap(overrides):
   config = _tiny(**overrides)
