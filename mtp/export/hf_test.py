@@ -449,7 +449,9 @@ def test_speculative_streaming_layout(exports, reference, torch):
   t = tokens.shape[1]
   main_positions = torch.arange(t)
   stream_positions = main_positions[:, None] + torch.arange(1, gamma + 1)[None]  # [T, γ]
-  streams = inputs[first][0][:, None] + w['stream_embeddings']  # [T, γ, D]
+  start = inputs[first][0]
+  scale = start.pow(2).mean(-1, keepdim=True).sqrt()  # The token's RMS: the embeddings' unit.
+  streams = start[:, None] + scale[:, None] * w['stream_embeddings']  # [T, γ, D]
   for i in range(first, num_layers):
     p = f'model.layers.{i}.'
     main = _rms(inputs[i][0], base[p + 'input_layernorm.weight'], eps)

@@ -20,11 +20,15 @@ Choices the paper leaves open:
   * Rotary position of stream j at t: t + j. The stream stands in for the (unknown) token at
     t + j whose next token, t + 1 + j, it predicts; so its distance to a main key s is t + j - s
     and to stream i of its position j - i, as if the future tokens were in the text.
-  * Stream embeddings: [γ, D], normal(0.02) as the token embedding (a stream identifier is an
-    extra "token" added to the state). They are small against a trained trunk's residual
-    stream, so stream j starts out close to the main stream at t (predicting t + 1, as Medusa's
-    heads start as the trunk), and the rotary positions and the streams' attention to each
-    other separate them from the first step on.
+  * Stream embeddings: [γ, D], normal(0.02), added in units of the token's own scale: stream j
+    starts as x + rms(x) · e_j (x: the main stream's input to the first streamed layer at t,
+    rms over D). A pretrained trunk's residual stream is large and its scale varies by layer
+    and model (SmolLM2's, entering layer 28: about 30 in RMS, single dimensions past 20,000),
+    so unscaled embeddings that Adam moves by ~lr per step barely moved its streams: on
+    SmolLM2's frozen trunk they did not learn in 100 steps (streams' loss 28.7 -> 28.4), where
+    a demo trunk's residual of RMS ~1 hid the problem. At init stream j starts close to the
+    main stream at t (predicting t + 1, as Medusa's heads start as the trunk), and the rotary
+    positions and the streams' attention to each other separate them from the first step on.
   * Adapters (`model.streaming_adapter_rank` = r, 0: none): per stream and streamed layer,
     low-rank updates (LoRA, Hu et al. 2021) of the query and value projections, which LoRA found
     enough, applied to stream tokens only: q += (x A_q) B_q, v += (x A_v) B_v with A ~
@@ -372,13 +376,20 @@ class StreamingHeads(heads.HeadFamily):
       stream_positions = positions[:, head_positions]
       stream_mask_rows = mask[:, :, head_positions]
       start = main[:, head_positions]
-    streams = start[:, :, None, :] + self.embeddings[...].astype(main.dtype)  # [B, P, γ, D]
+    streams = self.start_streams(start)
     streams = self.run_streams(trunk, streams, layer_inputs, positions, stream_positions,
                                stream_mask_rows)
     outputs = [trunk.final_norm(streams[:, :, j]) for j in range(self.num_streams)]
     if head_positions is not None:
       outputs = [jnp.zeros(main.shape, x.dtype).at[:, head_positions].set(x) for x in outputs]
     return outputs
+
+  def start_streams(self, main: Array) -> Array:
+    """The streams entering the first streamed layer: main [B, T, D] (that layer's input) ->
+    [B, T, γ, D], main + rms(main) · e_j (the embedding in units of the token's own scale)."""
+    rms = jnp.sqrt(jnp.mean(jnp.square(main.astype(jnp.float32)), axis=-1, keepdims=True))
+    offsets = rms[:, :, None, :] * self.embeddings[...].astype(jnp.float32)
+    return main[:, :, None, :] + offsets.astype(main.dtype)
 
   def run_streams(self, trunk: transformer.Transformer, streams: Array,
                   layer_inputs: Mapping[int, Array], positions: Array,
@@ -421,7 +432,8 @@ class StreamingHeads(heads.HeadFamily):
             'Speculative Streaming (arXiv 2402.11131) on the base Llama model: in its top '
             'streaming_layers layers each position t carries num_streams stream tokens; stream '
             'j (1-based) enters the first streamed layer as the base model\'s input to that '
-            'layer at t plus stream_embeddings[j - 1], runs the base layers (with its lora '
+            'layer at t, x_t, plus sqrt(mean(x_t ** 2)) * stream_embeddings[j - 1] (the '
+            'embedding scaled by x_t\'s root mean square), runs the base layers (with its lora '
             'updates of q_proj and v_proj, if any) at rotary position t + j, attending to the '
             'base model\'s keys and values at positions <= t and to streams 1..j of t, then '
             'the base final norm and lm_head: it predicts token t + 1 + j.'),
@@ -476,8 +488,7 @@ class StreamingHeads(heads.HeadFamily):
     from the cache the trunk wrote in this pass; the streams write nothing."""
     del hidden, normed, first_layer
     layers = self._streamed_layers(trunk.cfg)
-    main = layer_inputs[layers[0]]
-    streams = main[:, :, None, :] + self.embeddings[...].astype(main.dtype)
+    streams = self.start_streams(layer_inputs[layers[0]])
     for n, i in enumerate(layers):
       adapters = self.adapters[n] if self.adapters is not None else None
       streams = _cached_stream_layer(trunk.layer(i), adapters, streams, positions, block_mask,
