@@ -17,7 +17,8 @@ compilation excluded), and, greedy, whether every output equals the autoregressi
 Variants (`--variants`): 'medusa' (one ResBlock per head), 'sequential' (DeepSeek-V3 MTP
 modules), and EAGLE drafters: 'eagle' (the family's defaults), 'eagle_trunk' (depth 1 trained
 on the trunk's features only, EAGLE-1), 'eagle_w0' / 'eagle_w10' (feature-regression weight 0
-or 10 instead of 1). The EAGLE rows are the measurement behind the family's defaults.
+or 10 instead of 1), 'eagle3' (EAGLE-3's fused features and input layer, no feature loss). The
+EAGLE rows are the measurement behind the family's defaults.
 Speculative Streaming: 'streaming' (γ stream embeddings alone), 'streaming_lora' /
 'streaming_lora8' (with rank-1 / rank-8 adapters), 'streaming_finetune' (the paper's recipe: the trunk fine-tuned with the streams).
 
@@ -80,6 +81,9 @@ VARIANTS = {
     'eagle_trunk': {'model.mtp_head_type': 'eagle', 'model.eagle_train_features': 'trunk'},
     'eagle_w0': {'model.mtp_head_type': 'eagle', 'model.eagle_feature_loss_weight': 0.0},
     'eagle_w10': {'model.mtp_head_type': 'eagle', 'model.eagle_feature_loss_weight': 10.0},
+    # EAGLE-3's drafter: fused features of three trunk layers, its input layer, no feature loss.
+    'eagle3': {'model.mtp_head_type': 'eagle', 'model.eagle_features': 'fused',
+               'model.eagle_input': 'concat', 'model.eagle_feature_loss_weight': 0.0},
     # Speculative Streaming: the trunk cache keeps the streamed layers' inputs too.
     'streaming': {'model.mtp_head_type': 'streaming'},
     'streaming_lora': {'model.mtp_head_type': 'streaming', 'model.streaming_adapter_rank': 1},
