@@ -111,17 +111,17 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
   store_hidden = bool(distill.cache_trunk_states)
   layers = cached_layer_inputs(config)
   description = f'{trainer.model_config.trunk}|{source}|step {source_step}'
-  hidden = trunk_cache.stored_names(store_hidden, bool(layers))
+  states = trunk_cache.stored_names(store_hidden, bool(layers))
   if distill.targets == 'rollout':
     prompts = trunk_cache.rollout_prompts(arrays, distill.prompt_len)[:max_rows]
     seq_len = arrays['tokens'].shape[1]
     key = trunk_cache.cache_key({'prompts': prompts}, f'{description}|rollout to {seq_len}',
                                 store_hidden, layers)
     names = ['tokens', 'segment_ids', 'positions', trunk_cache.TARGETS,
-             trunk_cache.HEAD_MASK] + hidden
+             trunk_cache.HEAD_MASK] + states
   else:
     key = trunk_cache.cache_key(arrays, description, store_hidden, layers)
-    names = [trunk_cache.TARGETS] + hidden
+    names = [trunk_cache.TARGETS] + states
   # Built with local file APIs (memory maps) on this host; a workdir on an object store keeps a
   # copy, so a run resumed on another host fetches it instead of building it again.
   directory = pathlib.Path(paths.local_dir(workdir, 'trunk_cache')) / key
