@@ -21,6 +21,7 @@ from mtp.model import heads
 from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.model.heads import eagle
+from mtp.model.heads import eagle_test
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
 from mtp.train import step as step_lib
@@ -188,15 +189,8 @@ def test_greedy_decoding_with_a_draft_vocabulary_equals_autoregressive():
 
 def test_sampled_generations_follow_the_target_distribution():
   """Exact rejection sampling with EAGLE-3 drafts: the distribution of whole generations."""
-  model = _model(seed=5, vocab_size=exact_tests.VOCAB, **EAGLE3)
-  model.trunk.embedding.embedding[...] *= 4.0  # Sharpened, as in speculative_test.
-  prompt = np.array([1, 5, 2], np.int32)
-  prompts = np.broadcast_to(prompt, (exact_tests.ROWS, 3))
-  exact = exact_tests._exact_distribution(model, prompt)
-  out = decode_testing.decode(model, prompts, max_new_tokens=exact_tests.NEW, seed=2,
-                              **exact_tests.SAMPLING)
-  assert exact_tests._chisquare_p(np.asarray(out.tokens), exact) > 1e-3
-  assert np.asarray(out.accepted_histogram)[:, 2:].sum() > exact_tests.ROWS // 20
+  eagle_test.assert_sampling_follows_the_target(
+      _model(seed=5, vocab_size=exact_tests.VOCAB, **EAGLE3))
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,19 +198,7 @@ def test_sampled_generations_follow_the_target_distribution():
 # ------------------------------------------------------------------------------------------
 
 
-def _perturbed(model):
-  """Every parameter of the drafter moved off its initial value, norms included."""
-  rng = np.random.default_rng(7)
-  for _, param in nnx.iter_graph(model.heads):
-    if isinstance(param, nnx.Param):
-      param[...] = param[...] + rng.normal(0, 0.2, param[...].shape).astype(np.float32)
-  return model
-
-
-def _context(model):
-  embedding = np.asarray(model.trunk.embedding.embedding[...])
-  return heads.HFExportContext(trunk_cfg=model.cfg.trunk, embedding=embedding,
-                               unembedding=embedding, block_tensors=None)
+_perturbed, _context = eagle_test._perturbed, eagle_test._context  # EAGLE-1's export tests'.
 
 
 def _source(model, sub, name='eagle3'):

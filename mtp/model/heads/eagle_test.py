@@ -136,7 +136,12 @@ def test_greedy_decoding_equals_autoregressive(decoding, tree):
 
 def test_sampled_generations_follow_the_target_distribution():
   """Exact rejection sampling with EAGLE drafts: the distribution of whole generations."""
-  model = _model(seed=5, vocab_size=exact_tests.VOCAB)
+  assert_sampling_follows_the_target(_model(seed=5, vocab_size=exact_tests.VOCAB))
+
+
+def assert_sampling_follows_the_target(model):
+  """Sampled generations of `model` (its drafts accepted by rejection sampling) follow the
+  exact distribution of whole generations, and deep drafts were accepted."""
   model.trunk.embedding.embedding[...] *= 4.0  # Sharpened, as in speculative_test.
   prompt = np.array([1, 5, 2], np.int32)
   prompts = np.broadcast_to(prompt, (exact_tests.ROWS, 3))
