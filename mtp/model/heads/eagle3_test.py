@@ -22,9 +22,7 @@ from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.model.heads import eagle
 from mtp.model.heads import eagle_test
-from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
-from mtp.train import step as step_lib
 from mtp.train import testing as train_testing
 
 K, VOCAB, D = 3, 61, 32
@@ -395,21 +393,7 @@ def counting():
       'model.eagle_input': 'concat', 'model.eagle_feature_loss_weight': 0.0,
       'model.vocab_size': 32, 'optim.warmup_steps': 5, 'optim.learning_rate': 1e-2,
       'num_train_steps': 40})
-  trainer = step_lib.Trainer(config, mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=1)))
-  state = trainer.init_state()
-
-  def batch(seed):
-    starts = np.random.default_rng(seed).integers(0, 32, (8, 1))
-    return {'tokens': ((starts + np.arange(32)) % 32).astype(np.int32),
-            'segment_ids': np.ones((8, 32), np.int32),
-            'positions': np.broadcast_to(np.arange(32), (8, 32)).astype(np.int32)}
-
-  held_out = [batch(10_000)]
-  before = trainer.evaluate(state.params, held_out)
-  for step in range(config.num_train_steps):
-    state, _ = trainer.train_step(state, trainer.train_batch(batch(step)))
-  after = trainer.evaluate(state.params, held_out)
-  return before, after, nnx.merge(trainer.graphdef, state.params)
+  return train_testing.train_on_counting(config)
 
 
 def test_joint_training_lowers_the_drafter_losses(counting):

@@ -158,21 +158,7 @@ def counting():
       'model.mtp_head_type': 'streaming', 'model.vocab_size': 32,
       'model.streaming_adapter_rank': 2, 'optim.warmup_steps': 5,
       'optim.learning_rate': 1e-2, 'num_train_steps': 40})
-  trainer = step_lib.Trainer(config, mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=1)))
-  state = trainer.init_state()
-
-  def batch(seed):
-    starts = np.random.default_rng(seed).integers(0, 32, (8, 1))
-    return {'tokens': ((starts + np.arange(32)) % 32).astype(np.int32),
-            'segment_ids': np.ones((8, 32), np.int32),
-            'positions': np.broadcast_to(np.arange(32), (8, 32)).astype(np.int32)}
-
-  held_out = [batch(10_000)]
-  before = trainer.evaluate(state.params, held_out)
-  for step in range(config.num_train_steps):
-    state, _ = trainer.train_step(state, trainer.train_batch(batch(step)))
-  after = trainer.evaluate(state.params, held_out)
-  return config, before, after, nnx.merge(trainer.graphdef, state.params)
+  return (config, *train_testing.train_on_counting(config))
 
 
 @pytest.fixture(scope='module')
