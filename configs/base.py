@@ -62,6 +62,10 @@ def get_config() -> ml_collections.ConfigDict:
   # the trunk layers the heads read (D more per layer: Speculative Streaming's streamed
   # layers), and train the heads on them, so a step costs the heads alone. Single-process runs.
   c.distill.cache_trunk_states = False
+  # optim.mode='frozen_trunk' only: each head learns the trunk's whole distribution over its
+  # token (cross-entropy against softmax of the trunk's logits there: EAGLE-3's soft labels)
+  # instead of one label token. Costs one more output-layer product per head token.
+  c.distill.soft_labels = False
   c.distill.batch_size = 8         # rows per trunk pass (or rollout) while building that cache
   c.distill.prompt_len = 32        # 'rollout': prompt tokens per row; the trunk writes the rest
 

@@ -50,6 +50,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
                        'reused.')
     if jax.process_count() > 1:
       raise ValueError('distill.cache_trunk_states runs in a single process only.')
+  if distill.get('soft_labels'):
+    if config.optim.mode != 'frozen_trunk' or not config.get('init_from'):
+      raise ValueError('distill.soft_labels needs optim.mode=\'frozen_trunk\' and init_from '
+                       f'(got mode {config.optim.mode!r}, init_from '
+                       f'{config.get("init_from")!r}): the frozen pretrained trunk is the '
+                       'teacher whose distributions the heads learn.')
+    if not config.model.mtp_num_heads:
+      raise ValueError('distill.soft_labels trains heads; model.mtp_num_heads is 0.')
   if distill.batch_size <= 0:
     raise ValueError(f'distill.batch_size must be positive, got {distill.batch_size}.')
 

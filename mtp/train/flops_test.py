@@ -58,9 +58,11 @@ def _tiny(**overrides):
     # Medusa-1: no trunk backward pass at all (XLA counted 1.61x when the trunk's gradients
     # were computed and thrown away).
     {'model.mtp_head_type': 'medusa', 'optim.mode': 'frozen_trunk'},
+    # Soft labels: the teacher's logits over the heads' rows, forward only.
+    {'model.mtp_head_type': 'medusa', 'optim.mode': 'frozen_trunk', 'distill.soft_labels': True},
 ], ids=['medusa', 'sequential', 'parallel-remat-stride', 'eagle', 'eagle3',
        'eagle-fused-trunk-remat', 'streaming-remat',
-       'streaming-stride', 'medusa-frozen-trunk'])
+       'streaming-stride', 'medusa-frozen-trunk', 'medusa-soft-labels'])
 def test_model_flops_match_xla_cost_analysis_within_the_elementwise_gap(overrides):
   config = _tiny(**overrides)
   counted = flops.train_step_flops(config, attention='full')
@@ -102,6 +104,10 @@ def test_a_frozen_trunk_runs_forward_only_and_a_cached_one_not_at_all():
   teacher = flops.train_step_flops(_tiny(**{'optim.mode': 'frozen_trunk',
                                             'distill.targets': 'teacher'}))
   assert teacher.output_layer == frozen.output_layer * 2 / 3  # 2 head rows of 3.
+  soft = flops.train_step_flops(_tiny(**{'optim.mode': 'frozen_trunk',
+                                         'distill.targets': 'teacher',
+                                         'distill.soft_labels': True}))
+  assert soft.output_layer == teacher.output_layer * 3 / 2  # The teacher's forward: 1 of 2.
 
 
 def test_stride_divides_the_heads_output_rows():

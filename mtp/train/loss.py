@@ -8,7 +8,10 @@ the full-vocabulary logits of all heads never exist at once and the output layer
 matrix products per token, as in an ordinary forward and backward pass.
 
 Labels come from the tokens themselves: head k (0 = the trunk) at position t predicts token
-t+1+k, counted only when that token lies in the same packed document (segment) as t.
+t+1+k, counted only when that token lies in the same packed document (segment) as t. With soft
+labels (EAGLE-3's, `distill.soft_labels`) a head learns instead the frozen trunk's whole
+distribution over that token: the cross-entropy against softmax(trunk state at t+k @ output
+layer), computed chunk by chunk in the same fused pass.
 """
 
 from __future__ import annotations
@@ -47,108 +50,136 @@ def shifted_labels(tokens: Array, segment_ids: Array, shift: int) -> tuple[Array
   return labels.astype(jnp.int32), valid
 
 
-def _chunks(x: Array, labels: Array, weights: Array, chunk_size: int):
+def _chunks(x: Array, labels: Array, weights: Array, teacher: Array | None, chunk_size: int):
   """Pads N up to a multiple of chunk_size and reshapes to [num_chunks, chunk_size, ...]."""
   n = x.shape[0]
   num_chunks = -(-n // chunk_size)
   pad = num_chunks * chunk_size - n
-  return (jnp.pad(x, ((0, pad), (0, 0))).reshape(num_chunks, chunk_size, -1),
-          jnp.pad(labels, (0, pad)).reshape(num_chunks, chunk_size),
-          jnp.pad(weights, (0, pad)).reshape(num_chunks, chunk_size))
+
+  def rows(a):
+    return jnp.pad(a, ((0, pad), (0, 0))).reshape(num_chunks, chunk_size, -1)
+
+  return (rows(x), jnp.pad(labels, (0, pad)).reshape(num_chunks, chunk_size),
+          jnp.pad(weights, (0, pad)).reshape(num_chunks, chunk_size),
+          None if teacher is None else rows(teacher))
 
 
-def _chunk_logits(xc: Array, unembedding: Array, yc: Array):
+def _chunk_logits(xc: Array, unembedding: Array, yc: Array, tc: Array | None):
+  """A chunk's logits [C, V], logsumexp [C], loss [C], argmax [C] and its target distribution
+  [C, V]: the teacher's softmax, or None (the labels' one-hot)."""
   # bfloat16 activations: float32 accumulation, float32 logits and loss.
   logits = jnp.dot(xc, unembedding.astype(xc.dtype), preferred_element_type=jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
-  loss = lse - jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
-  return logits, lse, loss, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if tc is None:
+    loss = lse - jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
+    target = None
+  else:
+    target = jax.nn.softmax(jnp.dot(tc, unembedding.astype(tc.dtype),
+                                    preferred_element_type=jnp.float32), axis=-1)
+    loss = lse - jnp.sum(target * logits, axis=-1)
+  return logits, lse, loss, jnp.argmax(logits, axis=-1).astype(jnp.int32), target
 
 
-def _fused_forward(x, unembedding, labels, weights, chunk_size):
+def _fused_forward(x, unembedding, labels, weights, teacher, chunk_size):
   n = x.shape[0]
-  xs, ys, ws = _chunks(x, labels, weights, chunk_size)
 
   def body(_, chunk):
-    xc, yc, wc = chunk
-    _, _, loss, predictions = _chunk_logits(xc, unembedding, yc)
+    xc, yc, _, tc = chunk
+    _, _, loss, predictions, _ = _chunk_logits(xc, unembedding, yc, tc)
     return None, (loss, predictions)
 
-  _, (loss, predictions) = jax.lax.scan(body, None, (xs, ys, ws))
+  _, (loss, predictions) = jax.lax.scan(
+      body, None, _chunks(x, labels, weights, teacher, chunk_size))
   loss, predictions = loss.reshape(-1)[:n], predictions.reshape(-1)[:n]
   return jnp.sum(loss * weights), loss, predictions
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused(x, unembedding, labels, weights, chunk_size, train_unembedding):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused(x, unembedding, labels, weights, teacher, chunk_size, train_unembedding):
   del train_unembedding
-  return _fused_forward(x, unembedding, labels, weights, chunk_size)
+  return _fused_forward(x, unembedding, labels, weights, teacher, chunk_size)
 
 
-def _fused_fwd(x, unembedding, labels, weights, chunk_size, train_unembedding):
+def _fused_fwd(x, unembedding, labels, weights, teacher, chunk_size, train_unembedding):
   n, d = x.shape
-  xs, ys, ws = _chunks(x, labels, weights, chunk_size)
   vocab = unembedding.shape[1]
 
   def body(grad_w, chunk):
-    xc, yc, wc = chunk
-    logits, lse, loss, predictions = _chunk_logits(xc, unembedding, yc)
-    # d(sum_i w_i * loss_i) / d logits = w_i * (softmax - onehot(label)).
-    dlogits = (jnp.exp(logits - lse[:, None]) - jax.nn.one_hot(yc, vocab)) * wc[:, None]
+    xc, yc, wc, tc = chunk
+    logits, lse, loss, predictions, target = _chunk_logits(xc, unembedding, yc, tc)
+    if target is None:
+      target = jax.nn.one_hot(yc, vocab)
+    # d(sum_i w_i * loss_i) / d logits = w_i * (softmax - target).
+    dlogits = (jnp.exp(logits - lse[:, None]) - target) * wc[:, None]
     grad_x = jnp.dot(dlogits.astype(xc.dtype), unembedding.astype(xc.dtype).T)
     if train_unembedding:  # A frozen output layer skips a third of the matmuls.
       grad_w = grad_w + jnp.dot(xc.T.astype(jnp.float32), dlogits)
     return grad_w, (loss, predictions, grad_x)
 
   grad_w, (loss, predictions, grad_x) = jax.lax.scan(
-      body, jnp.zeros((d, vocab) if train_unembedding else (), jnp.float32), (xs, ys, ws))
+      body, jnp.zeros((d, vocab) if train_unembedding else (), jnp.float32),
+      _chunks(x, labels, weights, teacher, chunk_size))
   if not train_unembedding:
     grad_w = jnp.zeros((d, vocab), jnp.float32)
   loss, predictions = loss.reshape(-1)[:n], predictions.reshape(-1)[:n]
   grad_x = grad_x.reshape(-1, d)[:n]
   out = (jnp.sum(loss * weights), loss, predictions)
-  return out, (grad_x, grad_w.astype(unembedding.dtype), loss, labels)
+  return out, (grad_x, grad_w.astype(unembedding.dtype), loss, labels, teacher)
 
 
 def _fused_bwd(chunk_size, train_unembedding, residuals, cotangents):
   del chunk_size, train_unembedding
-  grad_x, grad_w, loss, labels = residuals
+  grad_x, grad_w, loss, labels, teacher = residuals
   g = cotangents[0]  # Only the weighted sum is differentiable; see fused_cross_entropy.
   label_cotangent = np.zeros(labels.shape, jax.dtypes.float0)
+  # The teacher is a target: no gradient flows into it.
+  teacher_cotangent = None if teacher is None else jnp.zeros_like(teacher)
   # Each cotangent in its primal's dtype (bfloat16 activations stay bfloat16).
-  return ((g * grad_x).astype(grad_x.dtype), g * grad_w, label_cotangent, g * loss)
+  return ((g * grad_x).astype(grad_x.dtype), g * grad_w, label_cotangent, g * loss,
+          teacher_cotangent)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def fused_cross_entropy(x: Array, unembedding: Array, labels: Array, weights: Array,
-                        chunk_size: int, train_unembedding: bool = True
-                        ) -> tuple[Array, Array, Array]:
+                        chunk_size: int, train_unembedding: bool = True,
+                        teacher: Array | None = None) -> tuple[Array, Array, Array]:
   """Weighted cross-entropy of x @ unembedding against labels, `chunk_size` tokens at a time.
 
   Args:
     x: [N, D] normalised hidden states.
     unembedding: [D, V] output matrix.
-    labels: [N] int32 targets.
+    labels: [N] int32 targets (with `teacher`, only what `predictions` are compared with).
     weights: [N] per-token weights (0 for tokens that do not count).
     chunk_size: tokens per chunk: only [chunk_size, V] logits are live at once. 0 projects
       all tokens at once and lets autodiff keep the logits (the naive baseline, for
       comparisons).
     train_unembedding: False when the output matrix is frozen: its gradient is zero and is
       not computed.
+    teacher: [N, D] normalised states whose distributions softmax(teacher @ unembedding) are
+      the targets (soft labels), in place of `labels`; they get no gradient. The loss is then
+      the cross-entropy against them (KL divergence plus the teacher's entropy).
 
   Returns:
     (sum_i weights_i * loss_i, differentiable; loss [N] float32 and predictions [N] int32,
     the argmax of each token's logits, both without gradient).
   """
+  if teacher is not None:
+    teacher = jax.lax.stop_gradient(teacher)
   if chunk_size <= 0:
     logits = jnp.dot(x, unembedding.astype(x.dtype), preferred_element_type=jnp.float32)
-    loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
+    if teacher is None:
+      target = jax.nn.one_hot(labels, logits.shape[-1])
+    else:
+      target = jax.lax.stop_gradient(jax.nn.softmax(jnp.dot(
+          teacher, unembedding.astype(teacher.dtype), preferred_element_type=jnp.float32),
+                                                   axis=-1))
+    loss = jax.nn.logsumexp(logits, -1) - jnp.sum(target * logits, axis=-1)
     return (jnp.sum(loss * weights), jax.lax.stop_gradient(loss),
             jnp.argmax(logits, axis=-1).astype(jnp.int32))
-  total, loss, predictions = _fused(x, unembedding, labels, weights, min(chunk_size, x.shape[0]),
-                                    train_unembedding)
+  total, loss, predictions = _fused(x, unembedding, labels, weights, teacher,
+                                    min(chunk_size, x.shape[0]), train_unembedding)
   return total, jax.lax.stop_gradient(loss), predictions
 
 
@@ -235,7 +266,7 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
              loss_scaling_factor: float, weights: list[float], chunk_size: int,
              positions: Array | None = None, head_mask: Array | None = None,
              trunk_is_teacher: bool = False, train_unembedding: bool = True,
-             feature_loss_weight: float = 0.0) -> LossOutput:
+             feature_loss_weight: float = 0.0, soft_labels: bool = False) -> LossOutput:
   """The joint loss of the trunk and K heads.
 
   Args:
@@ -255,6 +286,10 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
     train_unembedding: False when the output matrix is frozen (with the trunk).
     feature_loss_weight: β: adds β · Σ_k w_k · `feature_regression`_k (EAGLE's feature loss;
       0 for families whose outputs are not predicted features).
+    soft_labels: head k at t learns the trunk's distribution at t+k (softmax of hidden[0]
+      there through the output layer, a frozen trunk being the teacher) instead of the label
+      token; `head_k_loss` is then that cross-entropy, `head_k_acc` still compares with the
+      labels. The trunk's own loss (without trunk_is_teacher) keeps its labels.
 
   Returns:
     LossOutput(total, metrics) with `ntp_loss`, `ntp_acc`, `head_k_loss`, `head_k_acc` for
@@ -278,10 +313,25 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
   coefficients = [1.0] + [loss_scaling_factor * w for w in weights[:num_heads]]
   token_weights = [v.reshape(-1) * (c / n) for v, c, n in zip(valid, coefficients, counts)]
   first = 1 if trunk_is_teacher else 0  # Outputs that go through the output layer.
-  total, loss, predictions = fused_cross_entropy(
-      jnp.concatenate(x[first:]), unembedding,
-      jnp.concatenate([l.reshape(-1) for l in labels[first:]]),
-      jnp.concatenate(token_weights[first:]), chunk_size, train_unembedding)
+  flat_labels = [l.reshape(-1) for l in labels]
+  if soft_labels and num_heads:
+    # Head k's target at t is the trunk's distribution at t+k, the one that picks token t+1+k.
+    teacher = [jnp.pad(hidden[0][:, k:], ((0, 0), (0, min(k, t)), (0, 0)))[:, :t][:, positions]
+               .reshape(-1, d) for k in range(1, num_outputs)]
+    total, loss, predictions = fused_cross_entropy(
+        jnp.concatenate(x[1:]), unembedding, jnp.concatenate(flat_labels[1:]),
+        jnp.concatenate(token_weights[1:]), chunk_size, train_unembedding,
+        teacher=jnp.concatenate(teacher))
+    if not first:  # The trunk's own next-token loss, on its labels.
+      trunk_total, trunk_loss, trunk_predictions = fused_cross_entropy(
+          x[0], unembedding, flat_labels[0], token_weights[0], chunk_size, train_unembedding)
+      total = total + trunk_total
+      loss = jnp.concatenate([trunk_loss, loss])
+      predictions = jnp.concatenate([trunk_predictions, predictions])
+  else:
+    total, loss, predictions = fused_cross_entropy(
+        jnp.concatenate(x[first:]), unembedding, jnp.concatenate(flat_labels[first:]),
+        jnp.concatenate(token_weights[first:]), chunk_size, train_unembedding)
   sizes = np.cumsum([b * t] * (1 - first) + [b * positions.shape[0]] * num_heads)[:-1]
   loss = [part.reshape(v.shape) for part, v in zip(jnp.split(loss, sizes), valid[first:])]
   predictions = [part.reshape(v.shape)

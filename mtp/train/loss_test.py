@@ -196,3 +196,78 @@ def test_a_frozen_output_layer_gets_no_gradient_and_the_same_input_gradient():
   (gx, gw), (gx_frozen, gw_frozen) = grads(True), grads(False)
   np.testing.assert_allclose(gx_frozen, gx, rtol=1e-6)
   assert np.abs(gw).max() > 0 and not np.any(gw_frozen)
+
+
+@pytest.mark.parametrize('chunk_size', [4, 11, 0])
+@pytest.mark.parametrize('train_unembedding', [True, False])
+def test_soft_labels_value_and_gradients_match_optax(chunk_size, train_unembedding):
+  """Cross-entropy against softmax(teacher @ w); the teacher is a target, never trained."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(11, 6)), jnp.float32)
+  teacher = jnp.asarray(rng.normal(size=(11, 6)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(6, 17)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 17, 11), jnp.int32)
+  weights = jnp.asarray(rng.uniform(size=11) * (rng.uniform(size=11) > 0.3), jnp.float32)
+
+  def fused(x, w, teacher):
+    return loss_lib.fused_cross_entropy(x, w, y, weights, chunk_size, train_unembedding,
+                                        teacher=teacher)[0]
+
+  frozen = chunk_size > 0 and not train_unembedding  # The naive path trains it regardless.
+
+  def reference(x, w, teacher):
+    if frozen:
+      w = jax.lax.stop_gradient(w)
+    target = jax.nn.softmax(jax.lax.stop_gradient(teacher @ w))
+    return jnp.sum(weights * optax.softmax_cross_entropy(x @ w, target))
+
+  np.testing.assert_allclose(fused(x, w, teacher), reference(x, w, teacher), rtol=1e-5)
+  grads = jax.grad(fused, (0, 1, 2))(x, w, teacher)
+  for a, b in zip(grads, jax.grad(reference, (0, 1, 2))(x, w, teacher)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert not np.any(grads[2]) and bool(np.any(grads[1])) != frozen
+  # Labels are not the target any more; they only score the predictions.
+  other = loss_lib.fused_cross_entropy(x, w, (y + 1) % 17, weights, chunk_size, teacher=teacher)
+  np.testing.assert_allclose(other[0], fused(x, w, teacher), rtol=1e-6)
+
+
+def test_soft_labels_teach_each_head_the_trunks_distribution_at_its_token():
+  """Head k at t learns softmax(trunk state at t+k); a sharp trunk gives the hard-label loss."""
+  rng = np.random.default_rng(7)
+  k1, b, t, d, v = 3, 2, 8, 5, 11
+  hidden = jnp.asarray(rng.normal(size=(k1, b, t, d)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+  segments = jnp.asarray([[1] * 8, [1] * 5 + [2] * 3], jnp.int32)
+  greedy = np.argmax(np.asarray(hidden[0] @ w), axis=-1)
+  labels = jnp.asarray(np.concatenate([greedy[:, :1], greedy[:, :-1]], 1), jnp.int32)
+
+  def run(h, soft, positions=None):
+    return loss_lib.mtp_loss(h, w, labels, segments, loss_scaling_factor=0.5,
+                             weights=[0.8, 0.64], chunk_size=4, trunk_is_teacher=True,
+                             soft_labels=soft, positions=positions)
+
+  out = run(hidden, True)
+  probs = np.asarray(jax.nn.softmax(hidden[0] @ w))
+  logp = np.asarray(jax.nn.log_softmax(hidden @ w))
+  for k in (1, 2):
+    ces = [-np.sum(probs[i, j + k] * logp[k, i, j]) for i in range(b) for j in range(t)
+           if j + 1 + k < t and segments[i, j + 1 + k] == segments[i, j]]
+    np.testing.assert_allclose(out.metrics[f'head_{k}_loss'], np.mean(ces), rtol=1e-5)
+  hard = run(hidden, False)
+  np.testing.assert_allclose(out.metrics['head_2_acc'], hard.metrics['head_2_acc'])
+  assert out.metrics['head_1_loss'] < hard.metrics['head_1_loss']  # Not the labels' loss.
+  # Strided positions read the same targets.
+  positions = jnp.array([1, 3, 5])
+  np.testing.assert_allclose(run(hidden, True, positions).metrics['head_1_loss'],
+                             np.mean([-np.sum(probs[i, j + 1] * logp[1, i, j])
+                                      for i in range(b) for j in (1, 3, 5)
+                                      if segments[i, j + 2] == segments[i, j]]), rtol=1e-5)
+  sharp = hidden.at[0].multiply(200.0)
+  np.testing.assert_allclose(run(sharp, True).total, run(sharp, False).total, rtol=1e-4)
+  # The trunk's own loss, when it is not the teacher, keeps its labels.
+  own = loss_lib.mtp_loss(hidden, w, labels, segments, loss_scaling_factor=0.5,
+                          weights=[0.8, 0.64], chunk_size=4, soft_labels=True)
+  hard_own = loss_lib.mtp_loss(hidden, w, labels, segments, loss_scaling_factor=0.5,
+                               weights=[0.8, 0.64], chunk_size=4)
+  np.testing.assert_allclose(own.metrics['ntp_loss'], hard_own.metrics['ntp_loss'], rtol=1e-6)
+  np.testing.assert_allclose(own.total - own.metrics['ntp_loss'], out.total, rtol=1e-5)

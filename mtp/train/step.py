@@ -104,6 +104,7 @@ class Trainer:
     distill = config.get('distill')
     self._trunk_is_teacher = (config.optim.mode == 'frozen_trunk' and distill is not None
                               and distill.targets != 'text')
+    self._soft_labels = bool(distill is not None and distill.get('soft_labels'))
     self.loss_weights = loss_lib.head_weights(self.model_config.mtp_num_heads,
                                               config.mtp_head_weight_decay)
 
@@ -165,7 +166,8 @@ class Trainer:
                             trunk_is_teacher=self._trunk_is_teacher
                             and batch.targets is not None,
                             train_unembedding=self.config.optim.mode != 'frozen_trunk',
-                            feature_loss_weight=model.feature_loss_weight)
+                            feature_loss_weight=model.feature_loss_weight,
+                            soft_labels=self._soft_labels)
     return out.total, out.metrics
 
   def _train_step(self, state: TrainState, batch: Batch):

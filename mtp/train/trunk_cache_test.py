@@ -55,6 +55,23 @@ def test_cached_trunk_states_train_the_heads_as_the_trunk_would(trained_workdir,
   assert sorted(p.name for p in directory.iterdir()) == stored
 
 
+def test_soft_labels_train_alike_on_cached_and_live_trunk_states(trained_workdir, tmp_path):
+  """EAGLE-3's drafter on the trunk's distributions: the cache changes nothing, and the
+  targets are not the label tokens."""
+  eagle3 = {'model.mtp_head_type': 'eagle', 'model.eagle_features': 'fused',
+            'model.eagle_input': 'concat', 'model.eagle_feature_loss_weight': 0.0,
+            'distill.targets': 'teacher'}
+  runs = {'live': {'distill.soft_labels': True}, 'hard': {'distill.cache_trunk_states': True},
+          'cached': {'distill.soft_labels': True, 'distill.cache_trunk_states': True}}
+  for name, overrides in runs.items():
+    trainer_lib.train_and_evaluate(_heads_config(trained_workdir, **eagle3, **overrides),
+                                   tmp_path / name)
+  cached, live = _losses(tmp_path / 'cached'), _losses(tmp_path / 'live')
+  np.testing.assert_allclose(cached, live, rtol=2e-5)
+  hard = _losses(tmp_path / 'hard')
+  assert not np.allclose(cached[0], hard[0], rtol=1e-3)
+
+
 def test_teacher_targets_are_the_trunks_own_greedy_tokens(trained_workdir, tmp_path):
   config = _heads_config(trained_workdir, **{'distill.targets': 'teacher',
                                              'distill.cache_trunk_states': True})
@@ -136,6 +153,9 @@ def test_rollout_rows_are_the_trunks_greedy_continuations(trained_workdir, tmp_p
     ({'distill.cache_trunk_states': True, 'optim.mode': 'finetune'},
      "only a frozen trunk's states can be reused"),
     ({'distill.batch_size': 0}, 'distill.batch_size must be positive'),
+    ({'distill.soft_labels': True, 'optim.mode': 'finetune'},
+     'the frozen pretrained trunk is the teacher'),
+    ({'distill.soft_labels': True, 'model.mtp_num_heads': 0}, 'model.mtp_num_heads is 0'),
 ])
 def test_bad_distill_settings_are_named(trained_workdir, tmp_path, overrides, message):
   config = _heads_config(trained_workdir, **overrides)
