@@ -1,16 +1,22 @@
-"""Checks of a training config before anything is compiled: its values, and that it matches the
-workdir it resumes."""
+"""Checks of a training config before anything is compiled: its values, that it matches the
+workdir it resumes, and that a fresh run fits the base workdir it starts from (`init_from`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import pathlib
 
 import ml_collections
 
 from mtp.checkpoint import checkpointing
+from mtp.checkpoint import paths
+from mtp.data import shards
+from mtp.data import tokenizer as tokenizer_lib
 from mtp.model import layout
 from mtp.model import mtp_model
+from mtp.model import transformer
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
 from mtp.train import long_context
@@ -64,12 +70,15 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
 
 
 def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
-  """A workdir's saved model and tokenizer settings must match the config resuming it.
+  """A workdir's saved model and tokenizer settings must match the config resuming it; a fresh
+  workdir's config must fit the base workdir `init_from` names (`check_init_from`).
 
   The mesh (`mesh.*`) may differ: checkpoints restore onto any mesh and process count
   (tests/cross_mesh_test.py)."""
   path = workdir / checkpointing.CONFIG_FILENAME
   if not path.exists():
+    # Checked once, at the start: a resumed full fine-tune no longer needs its base.
+    check_init_from(config)
     return
   saved = checkpointing.load_config(workdir)
   saved_scanned = bool(saved.model.get('scan_layers', False))
@@ -100,3 +109,64 @@ def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDi
 
 def _normalise(value):
   return json.loads(json.dumps(value, default=list))
+
+
+def check_init_from(config: ml_collections.ConfigDict) -> None:
+  """The base workdir `init_from` must hold the configured trunk, and a prepared dataset
+  (`data.source`) must be tokenized with its tokenizer: checked from their config.json and
+  tokenizer.json before anything is written, tokenized, compiled or cached.
+
+  Raises:
+    ValueError: naming the mismatched settings or the two tokenizers.
+    checkpointing.CheckpointError: the base is not an mtp workdir (no config.json).
+  """
+  source = config.get('init_from')
+  if not source:
+    return
+  configured = mtp_model.ModelConfig.from_config(config.model).trunk
+  check_same_trunk(source, configured)
+  if not config.data.get('source'):
+    return
+  dataset = shards.open_dataset(config.data.source)
+  path = paths.as_path(source) / tokenizer_lib.FILENAME
+  if not path.exists():
+    raise checkpointing.CheckpointError(f'init_from: {path} does not exist.')
+  tokenizer = tokenizer_lib.Tokenizer.load(path)
+  if shards.tokenizer_hash(tokenizer) != dataset.tokenizer_hash:
+    made = dataset.manifest['tokenizer']
+    raise ValueError(
+        f'The dataset data.source={dataset.directory} was tokenized with another tokenizer '
+        f'({made["kind"]}, {made["vocab_size"]} ids) than the base workdir init_from={source} '
+        f'({tokenizer.kind}, {tokenizer.vocab_size} ids): prepare the data with '
+        f'--tokenizer={source}.')
+
+
+def check_same_trunk(source: str | pathlib.Path,
+                     configured: transformer.TransformerConfig) -> None:
+  """Raises ValueError naming each trunk setting (`model.KEY`) in which workdir `source`
+  differs from `configured`, runtime settings aside."""
+  saved = mtp_model.ModelConfig.from_config(checkpointing.load_config(source).model).trunk
+  differ = _trunk_differences(saved, configured)
+  if differ:
+    raise ValueError(f'init_from: the trunk in {source} does not match the configured trunk: '
+                     + '; '.join(f'model.{k}: {getattr(saved, k)!r} there, '
+                                 f'{getattr(configured, k)!r} configured' for k in differ)
+                     + '.')
+
+
+def _trunk_differences(a: transformer.TransformerConfig,
+                      b: transformer.TransformerConfig) -> list[str]:
+  """The trunk settings in which `a` and `b` differ, runtime settings aside; floats need only
+  agree to float32 precision (1e-5 vs the float32 9.9999997e-06 read from a GGUF file are the
+  same epsilon)."""
+  differ = []
+  for field in dataclasses.fields(a):
+    if field.name in RUNTIME_MODEL_KEYS:
+      continue
+    x, y = getattr(a, field.name), getattr(b, field.name)
+    if isinstance(x, float) or isinstance(y, float):
+      if not math.isclose(x, y, rel_tol=1e-6):
+        differ.append(field.name)
+    elif x != y:
+      differ.append(field.name)
+  return differ

@@ -3,8 +3,6 @@ pretrained workdir (`init_from`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import pathlib
 
 import jax
@@ -15,7 +13,6 @@ from flax import nnx
 
 from mtp.checkpoint import checkpointing
 from mtp.checkpoint import param_tree
-from mtp.model import mtp_model
 from mtp.train import config_checks
 from mtp.train import step as step_lib
 
@@ -70,23 +67,4 @@ def with_pretrained_trunk(params: nnx.State, source: str | pathlib.Path,
 def check_same_trunk(source: str | pathlib.Path, trainer: step_lib.Trainer) -> None:
   """Raises ValueError unless workdir `source` has the configured trunk (runtime settings
   aside)."""
-  source_config = checkpointing.load_config(source)
-  source_trunk = mtp_model.ModelConfig.from_config(source_config.model).trunk
-  configured = trainer.model_config.trunk
-  runtime = {k: getattr(configured, k) for k in config_checks.RUNTIME_MODEL_KEYS}
-  if not _same_trunk(dataclasses.replace(source_trunk, **runtime), configured):
-    raise ValueError(f'init_from: the trunk in {source} ({source_trunk}) does not match '
-                     f'the configured trunk ({configured}).')
-
-
-def _same_trunk(a, b) -> bool:
-  """Equal trunk settings; floats need only agree to float32 precision (1e-5 vs the float32
-  9.9999997e-06 read from a GGUF file are the same epsilon)."""
-  for field in dataclasses.fields(a):
-    x, y = getattr(a, field.name), getattr(b, field.name)
-    if isinstance(x, float) or isinstance(y, float):
-      if not math.isclose(x, y, rel_tol=1e-6):
-        return False
-    elif x != y:
-      return False
-  return True
+  config_checks.check_same_trunk(source, trainer.model_config.trunk)
