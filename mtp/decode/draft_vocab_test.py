@@ -167,11 +167,12 @@ def reference(prompts):
 
 
 @pytest.mark.parametrize('head_type,tree', [
-    ('medusa', None), ('medusa', TREE), ('sequential', TREE), ('eagle', None)],
-    ids=['medusa-chain', 'medusa-tree', 'sequential-tree', 'eagle-chain'])
+    ('medusa', None), ('medusa', TREE), ('sequential', TREE), ('eagle', None),
+    ('eagle3', TREE)],
+    ids=['medusa-chain', 'medusa-tree', 'sequential-tree', 'eagle-chain', 'eagle3-tree'])
 def test_greedy_output_with_a_draft_vocab_equals_autoregressive(prompts, reference, head_type,
                                                                tree):
-  model = testing.tiny_model(0, head_type=head_type)  # The head-less reference's trunk.
+  model = decode_testing.head_model(head_type)  # The head-less reference's trunk.
   out = decode_testing.decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
                               tree=tree, draft_vocab=SMALL)
   np.testing.assert_array_equal(out.tokens, reference.tokens)
@@ -192,9 +193,9 @@ def _slots(model, prompts, tree, ids, steps, **options):
 
 
 @pytest.mark.parametrize('head_type,tree', [('medusa', TREE), ('sequential', None),
-                                            ('eagle', None)])
+                                            ('eagle', None), ('eagle3', None)])
 def test_all_ids_in_any_order_draft_what_the_whole_vocabulary_drafts(prompts, head_type, tree):
-  model = testing.tiny_model(0, head_type=head_type)
+  model = decode_testing.head_model(head_type)
   full, full_tokens = _slots(model, prompts, tree, None, steps=3)
   ordered, ordered_tokens = _slots(model, prompts, tree, ORDER, steps=3)
   np.testing.assert_array_equal(ordered, full)
@@ -204,9 +205,9 @@ def test_all_ids_in_any_order_draft_what_the_whole_vocabulary_drafts(prompts, he
 def test_the_heads_project_onto_the_draft_vocabulary_rows():
   """Logits over a draft vocabulary are the full logits at its ids, for every family, and the
   families that feed their drafts back (sequential, eagle) feed back full ids."""
-  for head_type in ('eagle', 'medusa', 'parallel', 'sequential'):
+  for head_type in ('eagle', 'eagle3', 'medusa', 'parallel', 'sequential'):
     for tie in (True, False):
-      model = testing.tiny_model(0, head_type=head_type, tie_embeddings=tie)
+      model = decode_testing.head_model(head_type, tie_embeddings=tie)
       tokens = jnp.asarray(testing.random_tokens((2, 9), VOCAB))
       positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
       lengths = jnp.zeros(2, jnp.int32)

@@ -27,16 +27,20 @@ def mesh():
   return mesh_lib.make_mesh(dict(data=2, fsdp=2, tensor=2))
 
 
-@pytest.mark.parametrize('head_type,tree,budget', [
-    ('medusa', TREE, 0), ('parallel', None, 0), ('sequential', TREE, 4),
-    ('streaming', TREE, 0)],
-    ids=['medusa-tree', 'parallel-chain', 'sequential-dynamic-tree', 'streaming-tree'])
-def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree, budget):
+# A seed's random drafter must have some drafts accepted, else equal acceptance would say
+# nothing about the drafts (EAGLE-3's at seed 0 has none accepted; at seed 2 some, to depth 3).
+@pytest.mark.parametrize('head_type,tree,budget,seed', [
+    ('medusa', TREE, 0, 0), ('parallel', None, 0, 0), ('sequential', TREE, 4, 0),
+    ('streaming', TREE, 0, 0), ('eagle3', TREE, 0, 2)],
+    ids=['medusa-tree', 'parallel-chain', 'sequential-dynamic-tree', 'streaming-tree',
+         'eagle3-tree'])
+def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree, budget, seed):
   # Two KV heads and 64 ids: 'tensor' divides both.
-  model = testing.tiny_model(0, head_type=head_type, vocab_size=64)
+  model = decode_testing.head_model(head_type, seed, vocab_size=64)
   prompts = testing.random_tokens((4, 7), 64, seed=1)
   expected = decode_testing.decode(model, prompts, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
                                    tree=tree, tree_budget=budget)
+  assert np.asarray(expected.accepted_histogram)[:, 2:].sum() > 0, 'no draft was accepted'
 
   state = nnx.state(model)
   nnx.update(model, jax.device_put(state, mesh_lib.state_shardings(state, mesh)))

@@ -27,7 +27,7 @@ from mtp.model import testing
 
 HEAD_TYPES = ('medusa', 'parallel', 'sequential', 'streaming', 'eagle3')
 # Names above that are option variants of a family: name -> (family, options).
-VARIANTS = {'eagle3': ('eagle', (('eagle_features', 'fused'), ('eagle_input', 'concat')))}
+VARIANTS = decode_testing.VARIANTS  # Option variants of a family, by name.
 PROMPT_LENGTHS = np.array([7, 3, 5], np.int32)
 MAX_NEW = 16
 TREE = trees.tree_from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)])
@@ -83,18 +83,9 @@ def ar_model():
   return testing.tiny_model(0, mtp_num_heads=0)
 
 
-def _head_model(name):
-  """testing.tiny_model(0) of a family, or of a `VARIANTS` name."""
-  if name not in VARIANTS:
-    return testing.tiny_model(0, head_type=name)
-  family, options = VARIANTS[name]
-  cfg = dataclasses.replace(testing.tiny_config(head_type=family), head_options=options)
-  return mtp_model.MTPModel(cfg, rngs=nnx.Rngs(0))
-
-
 @pytest.fixture(scope='module')
 def models(ar_model):
-  out = {h: _head_model(h) for h in HEAD_TYPES}
+  out = {h: decode_testing.head_model(h) for h in HEAD_TYPES}
   # The heads are built after the trunk, so every family shares the head-less model's trunk:
   # one autoregressive reference serves them all.
   for model in out.values():

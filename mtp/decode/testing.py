@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+from flax import nnx
 
 from mtp.decode import plan as plan_lib
 from mtp.decode import settings as settings_lib
+from mtp.model import mtp_model
+from mtp.model import testing as model_testing
+
+# Head-type names that are option variants of a family: name -> (family, head_options).
+VARIANTS = {'eagle3': ('eagle', (('eagle_features', 'fused'), ('eagle_input', 'concat')))}
+
+
+def head_model(name: str, seed: int = 0, **kwargs) -> mtp_model.MTPModel:
+  """`model.testing.tiny_model(seed, **kwargs)` of a family, or of a `VARIANTS` name, so that
+  tests parametrised by head type cover the variants too. The heads are built after the trunk:
+  every name shares the head-less tiny model's trunk."""
+  if name not in VARIANTS:
+    return model_testing.tiny_model(seed, head_type=name, **kwargs)
+  family, options = VARIANTS[name]
+  cfg = dataclasses.replace(model_testing.tiny_config(head_type=family, **kwargs),
+                            head_options=options)
+  return mtp_model.MTPModel(cfg, rngs=nnx.Rngs(seed))  # EAGLE has no zero-initialised kernels.
 
 
 def engine(model, decoder: str = 'speculative', *, max_new_tokens: int, prompt_width: int = 64,
