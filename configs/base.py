@@ -49,6 +49,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Heads' losses at every n-th position (rotating with the step): divides the heads' output
   # layer cost by n, which dominates with large vocabularies. 1 = every position.
   c.mtp_head_loss_stride = 1
+  # The heads' losses over the N most frequent ids of the training corpus only (a draft
+  # vocabulary: EAGLE-3's d2t, FR-Spec's ids): their output-layer cost falls by V/N, positions
+  # whose label lies outside are skipped, and decoding drafts over the same N ids by default.
+  # 0: the whole vocabulary.
+  c.mtp_head_draft_vocab = 0
 
   # Heads on a pretrained trunk (`init_from`): what they learn from and how the trunk runs.
   c.distill = ml_collections.ConfigDict()

@@ -134,11 +134,19 @@ def draft_vocabulary(loaded, size: int) -> np.ndarray:
   The `size` most frequent ids of the training split of the workdir's corpus (most frequent
   first; ties by id), ids the model never emits (the pad id, ids past the tokenizer's) last.
   """
+  return corpus_draft_vocabulary(loaded.config, loaded.tokenizer,
+                                 loaded.model.cfg.trunk.vocab_size, size, loaded.workdir)
+
+
+def corpus_draft_vocabulary(config, tokenizer, vocab_size: int, size: int, workdir=None,
+                            name: str = 'draft_vocab') -> np.ndarray:
+  """[size] int32: the `size` most frequent ids of `config.data`'s training split, ids never
+  emitted last (`draft_vocabulary`). Training (`mtp_head_draft_vocab`) and decoding count the
+  same corpus, so heads trained on a draft vocabulary draft over the same ids."""
   from mtp.decode import plan  # pylint: disable=import-outside-toplevel  # The emittable rule.
-  vocab_size = loaded.model.cfg.trunk.vocab_size
-  check_size(size, vocab_size)
-  counts = corpus_counts(loaded.config, loaded.tokenizer, vocab_size, loaded.workdir)
-  limit, banned = plan.emittable(loaded.tokenizer, vocab_size)
+  check_size(size, vocab_size, name)
+  counts = corpus_counts(config, tokenizer, vocab_size, workdir)
+  limit, banned = plan.emittable(tokenizer, vocab_size)
   return top_ids(counts, size, excluded=banned, limit=limit)
 
 

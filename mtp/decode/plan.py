@@ -250,7 +250,7 @@ def _heads(o: Options):
     given = o.draft_vocab
     size = int(np.shape(given)[0])
   else:
-    size = decoders.default_draft_vocab(o.decoder.name, o.draft_vocab,
+    size = decoders.default_draft_vocab(o.decoder.name, _trained_draft_vocab(o),
                                         o.cfg.trunk.vocab_size, heads)
   if dynamic:
     if o.tree == trees_lib.DYNAMIC:
@@ -383,6 +383,16 @@ def _accuracies(source) -> np.ndarray:
     raise ValueError('measuring the heads\' accuracies needs a loaded workdir (mtp.load): give '
                      'a static tree')
   return calibration.workdir_accuracies(source)
+
+
+def _trained_draft_vocab(o: Options) -> int | None:
+  """`o.draft_vocab`, or where it is unset the size of the draft vocabulary the heads trained
+  on (`mtp_head_draft_vocab`: they draft over the same ids), or None (the decoder's default)."""
+  if o.draft_vocab is not None:
+    return o.draft_vocab
+  config = getattr(o.source, 'config', None)
+  trained = config.get('mtp_head_draft_vocab') if hasattr(config, 'get') else None
+  return int(trained) if trained else None
 
 
 def _draft_vocabulary(o: Options, size: int) -> np.ndarray | None:

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 from safetensors import numpy as safetensors_numpy
 
+from mtp.decode import draft_vocab
 from mtp.export import ExportError
 from mtp.model import heads as heads_lib
 from mtp.model import transformer
@@ -73,9 +74,13 @@ def cast(tensors: dict[str, np.ndarray], dtype: np.dtype) -> dict[str, np.ndarra
   """Contiguous copies in `dtype`; ExportError naming a tensor whose values do not fit.
 
   Entries holding the same array (the shared output layer, once per head) share one copy.
+  Integer and boolean tensors (an EAGLE-3 drafter's d2t and t2d) keep their dtype.
   """
   out, done = {}, {}
   for name, values in tensors.items():
+    if not np.issubdtype(np.asarray(values).dtype, np.floating):
+      out[name] = np.ascontiguousarray(values)
+      continue
     if id(values) not in done:
       with np.errstate(over='ignore'):  # Overflow is checked for below, and named.
         converted = np.ascontiguousarray(values, dtype)
@@ -185,15 +190,16 @@ def check_options(workdir: pathlib.Path, dtype: Any) -> None:
     raise _no_format(model_cfg.mtp_head_type)
 
 
-def head_export(model, embedding: np.ndarray, unembedding: np.ndarray
-                ) -> heads_lib.HFExport | None:
+def head_export(model, embedding: np.ndarray, unembedding: np.ndarray,
+                draft_ids: np.ndarray | None = None) -> heads_lib.HFExport | None:
   """The head family's `hf_export`, or None without heads; ExportError if it has no format."""
   if model.heads is None:
     return None
   cfg = model.cfg.trunk
   context = heads_lib.HFExportContext(
       trunk_cfg=cfg, embedding=embedding, unembedding=unembedding,
-      block_tensors=lambda block, i: llama.block_tensors(nnx.to_pure_dict(nnx.state(block)), i))
+      block_tensors=lambda block, i: llama.block_tensors(nnx.to_pure_dict(nnx.state(block)), i),
+      draft_ids=draft_ids)
   export = model.heads.hf_export(context)
   if export is None:
     raise _no_format(model.cfg.mtp_head_type)
@@ -225,7 +231,11 @@ def write(loaded, directory: pathlib.Path, dtype: Any = np.float32, *,
   params = nnx.to_pure_dict(nnx.state(model.trunk))
   trunk = llama.from_params(params, cfg.tie_embeddings)
   unembedding = trunk.get(llama.LM_HEAD, trunk[llama.EMBED])
-  heads = head_export(model, trunk[llama.EMBED], unembedding)
+  draft_ids = None
+  trained_vocab = loaded.config.get('mtp_head_draft_vocab') if model.heads is not None else 0
+  if trained_vocab:  # The heads trained on a draft vocabulary: the same ids as decoding's.
+    draft_ids = draft_vocab.draft_vocabulary(loaded, int(trained_vocab))
+  heads = head_export(model, trunk[llama.EMBED], unembedding, draft_ids)
   extra = heads or heads_lib.HFExport(format='none')
   # Everything is converted (and checked) before the first file is written.
   weights = cast({**trunk, **extra.tensors}, dtype)

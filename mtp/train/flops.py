@@ -19,7 +19,8 @@ trains. Counted per global batch of B rows of T tokens:
     next token plus K*B*(T / mtp_head_loss_stride) for the heads. The fused loss computes the
     logits, the input gradient and the weight gradient of each chunk once (3x the forward), or
     2x when the output layer is frozen; soft labels (`distill.soft_labels`) add the teacher's
-    logits over the heads' rows (1x their forward).
+    logits over the heads' rows (1x their forward). A draft vocabulary of N ids
+    (`mtp_head_draft_vocab`) makes the heads' rows D x N;
 
 What the count leaves out, on purpose:
   * elementwise work: norms, rotary embeddings, softmax, SiLU, the loss's exp/log, the
@@ -159,11 +160,13 @@ def train_step_flops(config: ml_collections.ConfigDict,
   head_fwd, head_attention_fwd, head_remat_fwd = _head_forward(model_cfg, b, t, attention,
                                                                t // stride)
   head_rows = num_heads * b * (t // stride)
-  output_rows = (0 if trunk_is_teacher else tokens) + head_rows
+  head_vocab = config.get('mtp_head_draft_vocab') or cfg.vocab_size
+  soft_labels = bool(distill is not None and distill.get('soft_labels'))
   output_passes = 2 if frozen_trunk else 3  # A frozen output layer gets no weight gradient.
-  output_fwd = 2.0 * cfg.embed_dim * cfg.vocab_size * output_rows
-  soft_labels = distill is not None and distill.get('soft_labels')
-  teacher_fwd = 2.0 * cfg.embed_dim * cfg.vocab_size * head_rows if soft_labels else 0.0
+  trunk_rows = 0 if trunk_is_teacher else tokens
+  output_layer = 2.0 * cfg.embed_dim * output_passes * (trunk_rows * cfg.vocab_size
+                                                        + head_rows * head_vocab)
+  teacher_fwd = 2.0 * cfg.embed_dim * head_vocab * head_rows if soft_labels else 0.0
 
   remat = 0.0
   if cfg.remat != 'none':  # Every policy recomputes the heads' transformer layers whole.
@@ -173,7 +176,7 @@ def train_step_flops(config: ml_collections.ConfigDict,
   return StepFlops(trunk=trunk_passes * trunk_fwd,
                    attention=trunk_passes * trunk_attention_fwd + 3 * head_attention_fwd,
                    heads=3 * head_fwd,
-                   output_layer=output_passes * output_fwd + teacher_fwd,
+                   output_layer=output_layer + teacher_fwd,
                    remat_recompute=remat, tokens=tokens)
 
 

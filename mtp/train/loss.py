@@ -266,7 +266,8 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
              loss_scaling_factor: float, weights: list[float], chunk_size: int,
              positions: Array | None = None, head_mask: Array | None = None,
              trunk_is_teacher: bool = False, train_unembedding: bool = True,
-             feature_loss_weight: float = 0.0, soft_labels: bool = False) -> LossOutput:
+             feature_loss_weight: float = 0.0, soft_labels: bool = False,
+             draft_ids: Array | None = None) -> LossOutput:
   """The joint loss of the trunk and K heads.
 
   Args:
@@ -290,6 +291,11 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
       there through the output layer, a frozen trunk being the teacher) instead of the label
       token; `head_k_loss` is then that cross-entropy, `head_k_acc` still compares with the
       labels. The trunk's own loss (without trunk_is_teacher) keeps its labels.
+    draft_ids: [N] distinct token ids, the heads' draft vocabulary (EAGLE-3's d2t, FR-Spec's
+      frequent ids), or None for the whole vocabulary. The heads' logits (and soft labels'
+      targets) are those N columns of the output layer only; a head's loss skips positions
+      whose label is not among them (it could never draft it), while `head_k_acc` and the
+      acceptance proxy still count them, as misses.
 
   Returns:
     LossOutput(total, metrics) with `ntp_loss`, `ntp_acc`, `head_k_loss`, `head_k_acc` for
@@ -309,19 +315,33 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
     valid = valid[:1] + tuple(v & head_mask for v in valid[1:])
   valid = [valid[0]] + [v[:, positions] for v in valid[1:]]
   x = [hidden[0].reshape(-1, d)] + [h[:, positions].reshape(-1, d) for h in hidden[1:]]
+  head_unembedding, loss_labels, loss_valid = unembedding, list(labels), list(valid)
+  if draft_ids is not None and num_heads:
+    head_unembedding = jnp.take(unembedding, draft_ids, axis=1)
+    to_draft = jnp.full((unembedding.shape[1],), -1, jnp.int32).at[draft_ids].set(
+        jnp.arange(draft_ids.shape[0], dtype=jnp.int32))
+    in_draft = [to_draft[l] for l in labels[1:]]
+    loss_labels[1:] = [jnp.maximum(i, 0) for i in in_draft]
+    loss_valid[1:] = [v & (i >= 0) for v, i in zip(valid[1:], in_draft)]
   counts = [jnp.maximum(jnp.sum(v), 1) for v in valid]
+  loss_counts = [jnp.maximum(jnp.sum(v), 1) for v in loss_valid]
   coefficients = [1.0] + [loss_scaling_factor * w for w in weights[:num_heads]]
-  token_weights = [v.reshape(-1) * (c / n) for v, c, n in zip(valid, coefficients, counts)]
+  token_weights = [v.reshape(-1) * (c / n)
+                   for v, c, n in zip(loss_valid, coefficients, loss_counts)]
   first = 1 if trunk_is_teacher else 0  # Outputs that go through the output layer.
-  flat_labels = [l.reshape(-1) for l in labels]
-  if soft_labels and num_heads:
-    # Head k's target at t is the trunk's distribution at t+k, the one that picks token t+1+k.
-    teacher = [jnp.pad(hidden[0][:, k:], ((0, 0), (0, min(k, t)), (0, 0)))[:, :t][:, positions]
-               .reshape(-1, d) for k in range(1, num_outputs)]
+  flat_labels = [l.reshape(-1) for l in loss_labels]
+  if num_heads and (soft_labels or draft_ids is not None):  # The heads read their own matrix.
+    teacher = None
+    if soft_labels:
+      # Head k's target at t is the trunk's distribution at t+k, which picks token t+1+k.
+      teacher = jnp.concatenate([
+          jnp.pad(hidden[0][:, k:], ((0, 0), (0, min(k, t)), (0, 0)))[:, :t][:, positions]
+          .reshape(-1, d) for k in range(1, num_outputs)])
     total, loss, predictions = fused_cross_entropy(
-        jnp.concatenate(x[1:]), unembedding, jnp.concatenate(flat_labels[1:]),
-        jnp.concatenate(token_weights[1:]), chunk_size, train_unembedding,
-        teacher=jnp.concatenate(teacher))
+        jnp.concatenate(x[1:]), head_unembedding, jnp.concatenate(flat_labels[1:]),
+        jnp.concatenate(token_weights[1:]), chunk_size, train_unembedding, teacher=teacher)
+    if draft_ids is not None:
+      predictions = jnp.take(draft_ids, predictions)
     if not first:  # The trunk's own next-token loss, on its labels.
       trunk_total, trunk_loss, trunk_predictions = fused_cross_entropy(
           x[0], unembedding, flat_labels[0], token_weights[0], chunk_size, train_unembedding)
@@ -342,7 +362,7 @@ def mtp_loss(hidden: Array, unembedding: Array, tokens: Array, segment_ids: Arra
   metrics = {'num_tokens': jnp.sum(valid[0])}
   mtp_part = jnp.zeros((), jnp.float32)
   for k in range(first, num_outputs):
-    head_loss = jnp.sum(loss[k] * valid[k]) / counts[k]
+    head_loss = jnp.sum(loss[k] * loss_valid[k]) / loss_counts[k]
     head_acc = jnp.sum((predictions[k] == labels[k]) & valid[k]) / counts[k]
     name = 'ntp' if k == 0 else f'head_{k}'
     metrics[f'{name}_loss'], metrics[f'{name}_acc'] = head_loss, head_acc

@@ -271,3 +271,44 @@ def test_soft_labels_teach_each_head_the_trunks_distribution_at_its_token():
                                weights=[0.8, 0.64], chunk_size=4)
   np.testing.assert_allclose(own.metrics['ntp_loss'], hard_own.metrics['ntp_loss'], rtol=1e-6)
   np.testing.assert_allclose(own.total - own.metrics['ntp_loss'], out.total, rtol=1e-5)
+
+
+@pytest.mark.parametrize('soft', [False, True])
+def test_a_draft_vocabulary_restricts_the_heads_logits_and_skips_labels_outside_it(soft):
+  rng = np.random.default_rng(8)
+  k1, b, t, d, v = 3, 2, 8, 5, 11
+  hidden = jnp.asarray(rng.normal(size=(k1, b, t, d)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+  segments = jnp.asarray([[1] * 8, [1] * 5 + [2] * 3], jnp.int32)
+  ids = np.array([7, 2, 9, 0, 4, 5], np.int32)
+
+  def run(draft_ids):
+    return loss_lib.mtp_loss(hidden, w, tokens, segments, loss_scaling_factor=0.5,
+                             weights=[0.8, 0.64], chunk_size=4, soft_labels=soft,
+                             draft_ids=None if draft_ids is None else jnp.asarray(draft_ids))
+
+  out, full = run(ids), run(None)
+  np.testing.assert_allclose(out.metrics['ntp_loss'], full.metrics['ntp_loss'], rtol=1e-6)
+  # Every id, in any order, is the whole vocabulary.
+  np.testing.assert_allclose(run(rng.permutation(v)).total, full.total, rtol=1e-5)
+  logits = np.asarray(hidden @ w)
+  tok = np.asarray(tokens)
+  for k in (1, 2):
+    ces, hits, count = [], 0, 0
+    for i in range(b):
+      for j in range(t):
+        if j + 1 + k >= t or segments[i, j + 1 + k] != segments[i, j]:
+          continue
+        label = tok[i, j + 1 + k]
+        count += 1
+        drafted = ids[np.argmax(logits[k, i, j, ids])]
+        hits += int(drafted == label)
+        if label not in ids:
+          continue  # Never drafted: no loss, a miss.
+        logp = jax.nn.log_softmax(logits[k, i, j, ids])
+        target = (jax.nn.softmax(logits[0, i, j + k, ids]) if soft else
+                  np.eye(len(ids))[list(ids).index(label)])
+        ces.append(-float(np.sum(target * logp)))
+    np.testing.assert_allclose(out.metrics[f'head_{k}_loss'], np.mean(ces), rtol=1e-5)
+    np.testing.assert_allclose(out.metrics[f'head_{k}_acc'], hits / count, rtol=1e-6)

@@ -80,11 +80,17 @@ class Trainer:
     config: see configs/base.py.
     mesh: the device mesh.
     train_fields, eval_fields: the optional `Batch` fields of train and eval batches.
+    draft_ids: [N] the heads' draft vocabulary (`mtp_head_draft_vocab`), or None.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
-               train_fields: Sequence[str] = (), eval_fields: Sequence[str] = ()):
+               train_fields: Sequence[str] = (), eval_fields: Sequence[str] = (),
+               draft_ids: np.ndarray | None = None):
+    if bool(config.get('mtp_head_draft_vocab')) != (draft_ids is not None):
+      raise ValueError(f'mtp_head_draft_vocab is {config.get("mtp_head_draft_vocab")}: the '
+                       'trainer needs its ids exactly then (draft_vocab.corpus_draft_vocabulary).')
     self.config = config
+    self._draft_ids = None if draft_ids is None else np.asarray(draft_ids, np.int32)
     self.mesh = mesh
     self.train_fields, self.eval_fields = tuple(train_fields), tuple(eval_fields)
     self.model_config = mtp_model.ModelConfig.from_config(config.model)
@@ -167,7 +173,9 @@ class Trainer:
                             and batch.targets is not None,
                             train_unembedding=self.config.optim.mode != 'frozen_trunk',
                             feature_loss_weight=model.feature_loss_weight,
-                            soft_labels=self._soft_labels)
+                            soft_labels=self._soft_labels,
+                            draft_ids=None if self._draft_ids is None
+                            else jnp.asarray(self._draft_ids))
     return out.total, out.metrics
 
   def _train_step(self, state: TrainState, batch: Batch):

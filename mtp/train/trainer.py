@@ -28,6 +28,7 @@ from mtp.checkpoint import workdir_lock
 from mtp.data import pipeline
 from mtp.data import shards
 from mtp.data import streaming
+from mtp.decode import draft_vocab
 from mtp.parallel import mesh as mesh_lib
 from mtp.train import distill
 from mtp.train import divergence
@@ -163,7 +164,12 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
     checkpointing.write_base_reference(workdir, config.init_from)
 
   mesh = mesh_lib.make_mesh(config.mesh)
-  trainer = step_lib.Trainer(config, mesh, *distill.batch_fields(config))
+  draft_ids = None
+  if config.get('mtp_head_draft_vocab'):
+    draft_ids = draft_vocab.corpus_draft_vocabulary(
+        config, tokenizer, config.model.vocab_size, config.mtp_head_draft_vocab, workdir,
+        name='mtp_head_draft_vocab')
+  trainer = step_lib.Trainer(config, mesh, *distill.batch_fields(config), draft_ids=draft_ids)
   if distill.uses_trunk_cache(config):
     base_params = functools.cache(lambda: init.with_pretrained_trunk(
         trainer.init_state().params, config.init_from, trainer))

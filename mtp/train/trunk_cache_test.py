@@ -72,6 +72,33 @@ def test_soft_labels_train_alike_on_cached_and_live_trunk_states(trained_workdir
   assert not np.allclose(cached[0], hard[0], rtol=1e-3)
 
 
+def test_heads_trained_on_a_draft_vocabulary_draft_over_it(trained_workdir, tmp_path,
+                                                           monkeypatch):
+  """mtp_head_draft_vocab: training counts the corpus as decoding does, so decoding's default
+  draft vocabulary is the trained one, and greedy output stays the trunk's."""
+  from mtp.decode import draft_vocab  # pylint: disable=import-outside-toplevel
+  from mtp.decode import plan  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'cache'))
+  workdir = tmp_path / 'heads'
+  trainer_lib.train_and_evaluate(_heads_config(trained_workdir, **{
+      'mtp_head_draft_vocab': 48, 'distill.targets': 'teacher', 'distill.soft_labels': True,
+      'distill.cache_trunk_states': True}), workdir)
+  loaded = mtp.load(workdir)
+  resolved = plan.resolve(loaded, 'speculative', max_new_tokens=8)
+  assert resolved.plan.draft_vocab_size == 48
+  assert plan.resolve(loaded, 'speculative', max_new_tokens=8,
+                      draft_vocab=0).plan.draft_vocab_size == 0
+  ids = draft_vocab.draft_vocabulary(loaded, 48)
+  assert len(set(ids.tolist())) == 48
+  prompts = ['def f(x):\n    return', 'import os\n']
+  drafted = mtp.generate(loaded, prompts, max_new_tokens=8, decoder='speculative')
+  plain = mtp.generate(loaded, prompts, max_new_tokens=8, decoder='autoregressive')
+  assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+  with pytest.raises(ValueError, match=r'mtp_head_draft_vocab must be an integer in \[1, '):
+    trainer_lib.train_and_evaluate(_heads_config(trained_workdir, mtp_head_draft_vocab=10**6),
+                                   tmp_path / 'too_large')
+
+
 def test_teacher_targets_are_the_trunks_own_greedy_tokens(trained_workdir, tmp_path):
   config = _heads_config(trained_workdir, **{'distill.targets': 'teacher',
                                              'distill.cache_trunk_states': True})

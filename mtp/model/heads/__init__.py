@@ -73,11 +73,14 @@ class HFExportContext:
       (`lm_head.weight`; the embedding when tied).
     block_tensors: (a `transformer.Block`, i) -> its weights under Llama layer i's Hugging Face
       names (`model.layers.{i}.self_attn.q_proj.weight`, ...; float32, [out, in]).
+    draft_ids: [N] int32, the draft vocabulary the heads trained on (`mtp_head_draft_vocab`),
+      or None (the whole vocabulary).
   """
   trunk_cfg: transformer.TransformerConfig
   embedding: np.ndarray
   unembedding: np.ndarray
   block_tensors: Callable[[transformer.Block, int], dict[str, np.ndarray]]
+  draft_ids: np.ndarray | None = None
 
 
 @dataclasses.dataclass

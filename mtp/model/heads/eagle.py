@@ -86,7 +86,10 @@ published EAGLE-3 drafters (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B):
     `midlayer.self_attn.o_proj.weight`, `midlayer.post_attention_layernorm.weight`,
     `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` [V, D] (vLLM's
     EAGLE-3 reads its own: a copy of the trunk's output layer) and `embed_tokens.weight` (a copy
-    of the trunk's, as for EAGLE-1).
+    of the trunk's, as for EAGLE-1);
+  * heads trained on a draft vocabulary of N ids (`mtp_head_draft_vocab`): `lm_head.weight` is
+    those N rows [N, D], `draft_vocab_size` N, `d2t` [N] int64 the offsets from draft index to
+    token id (id = index + d2t[index], vLLM's mapping) and `t2d` [V] bool the ids drafted.
 Other option combinations have no vLLM layout and are refused (`hf_export`).
 """
 
@@ -461,17 +464,24 @@ class EagleDrafter(heads.HeadFamily):
     """vLLM's EAGLE-3 Llama drafter in `eagle3/` (see the module docstring)."""
     cfg = context.trunk_cfg
     layer = self.layers[0]
+    lm_head, draft_vocab_size = context.unembedding, cfg.vocab_size
     tensors = {'fc.weight': heads.as_numpy(self.fuse.kernel).T,
                'norm.weight': heads.as_numpy(self.norm.scale),
-               'lm_head.weight': context.unembedding,
                'embed_tokens.weight': context.embedding}
+    if context.draft_ids is not None:
+      # Draft index i is token ids[i] = i + d2t[i]; t2d marks the ids drafted (EAGLE-3's pair).
+      ids = np.asarray(context.draft_ids, np.int64)
+      lm_head, draft_vocab_size = context.unembedding[ids], ids.shape[0]
+      tensors['d2t'] = ids - np.arange(ids.shape[0], dtype=np.int64)
+      tensors['t2d'] = np.isin(np.arange(cfg.vocab_size), ids)
+    tensors['lm_head.weight'] = lm_head
     for name, hf_name in _EAGLE3_NORMS.items():
       tensors[f'midlayer.{hf_name}'] = heads.as_numpy(getattr(layer, name).scale)
     for (part, name), hf_name in _LAYER_NAMES.items():
       tensors[f'midlayer.{hf_name}'] = heads.as_numpy(getattr(getattr(layer, part),
                                                               name).kernel).T
     config = {**_llama_config(cfg), 'architectures': ['LlamaForCausalLMEagle3'],
-              'tie_word_embeddings': False, 'draft_vocab_size': cfg.vocab_size,
+              'tie_word_embeddings': False, 'draft_vocab_size': draft_vocab_size,
               'target_hidden_size': cfg.embed_dim,
               'eagle_aux_hidden_state_layer_ids': list(self.fused_layers),
               'num_speculative_tokens': self.num_heads}
@@ -558,8 +568,8 @@ def _hf_import_eagle3(source: heads.HFImportSource,
                      'the feature before hidden_norm (vLLM\'s default).')
   if int(config.get('draft_vocab_size') or cfg.vocab_size) != cfg.vocab_size or (
       'd2t' in t and np.any(t['d2t'])):
-    raise ValueError(f'{where}the drafter has a draft vocabulary (draft_vocab_size, d2t); mtp\'s '
-                     'EAGLE-3 drafter projects onto the whole vocabulary.')
+    raise ValueError(f'{where}the drafter has a draft vocabulary (draft_vocab_size, d2t); mtp '
+                     'imports EAGLE-3 drafters over the whole vocabulary only.')
   biases = sorted(name for name in t if name.endswith('.bias'))
   if biases:
     raise ValueError(f'{where}{biases[0]} is not part of mtp\'s EAGLE-3 drafter (no biases).')

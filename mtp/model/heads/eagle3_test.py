@@ -238,6 +238,22 @@ def test_export_names_and_round_trip():
                nnx.to_pure_dict(nnx.state(model.heads)))
 
 
+def test_a_trained_draft_vocabulary_exports_as_vllm_maps_it():
+  """lm_head holds the N drafted rows; draft index i is token i + d2t[i] (vLLM's mapping)."""
+  model = _perturbed(_model(num_layers=7, **EAGLE3))
+  ids = np.array([5, 0, 17, 3, 40, 9], np.int32)
+  context = dataclasses.replace(_context(model), draft_ids=ids)
+  sub = model.heads.hf_export(context).subdirectories['eagle3']
+  assert sub.config['draft_vocab_size'] == 6 and sub.config['vocab_size'] == VOCAB
+  d2t, t2d = sub.tensors['d2t'], sub.tensors['t2d']
+  assert d2t.dtype == np.int64 and t2d.dtype == bool and t2d.shape == (VOCAB,)
+  np.testing.assert_array_equal(np.arange(6) + d2t, ids)
+  np.testing.assert_array_equal(np.flatnonzero(t2d), np.sort(ids))
+  np.testing.assert_array_equal(sub.tensors['lm_head.weight'], context.unembedding[ids])
+  with pytest.raises(ValueError, match='whole vocabulary only'):
+    eagle.EagleDrafter.hf_import(_source(model, sub))
+
+
 @pytest.mark.parametrize('change,message', [
     (lambda c, t: t.update({'d2t': np.arange(VOCAB, dtype=np.float32)}), 'draft vocabulary'),
     (lambda c, t: c.update(draft_vocab_size=32), 'draft vocabulary'),
