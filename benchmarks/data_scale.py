@@ -55,10 +55,17 @@ def tokens_at(config: dict, step: int) -> int:
 
 
 def chain_figures(generations, references) -> dict:
-  """Tokens per step of chain generations and whether each equals its greedy reference."""
+  """Tokens per step of chain generations, the share of steps whose draft d (1-based) was
+  accepted (depth 1: the held-out first-draft acceptance), and whether each generation equals
+  its greedy reference."""
   steps = sum(g.num_steps for g in generations)
   emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in generations)
-  return dict(tokens_per_step=emitted / max(steps, 1), steps=steps, tokens=emitted,
+  histogram = [sum(g.accepted_histogram[j] for g in generations)
+               for j in range(len(generations[0].accepted_histogram))]
+  # A step that emitted j + 1 tokens accepted drafts 1..j.
+  accepted = [sum(histogram[d + 1:]) / max(steps, 1) for d in range(1, len(histogram) - 1)]
+  return dict(tokens_per_step=emitted / max(steps, 1), accepted_at_depth=accepted, steps=steps,
+              tokens=emitted,
               exact=all(g.tokens == r.tokens for g, r in zip(generations, references)))
 
 
@@ -115,8 +122,10 @@ def main(argv):
                    train_tokens=tokens_at(config, step),
                    **chain_figures(generations, references[kind]))
         rows.append(row)
+        depths = ' '.join(f'{a:.3f}' for a in row['accepted_at_depth'])
         print(f'{name:<10} step {step:>5} {row["train_tokens"] / 1e6:>6.3f}M tokens {kind:<5} '
-              f'{row["tokens_per_step"]:.3f} tokens/step exact={row["exact"]}', flush=True)
+              f'{row["tokens_per_step"]:.3f} tokens/step, accepted at depth {depths}, '
+              f'exact={row["exact"]}', flush=True)
   result = dict(num_prompts=FLAGS.num_prompts, prompt_tokens=FLAGS.prompt_tokens,
                 max_new_tokens=FLAGS.max_new_tokens, decoder='chain of all heads, greedy',
                 rows=rows)

@@ -33,6 +33,9 @@ def test_every_kept_checkpoint_is_decoded_exactly(tiny_workdir, tmp_path):
   assert row['train_tokens'] == (config['num_train_steps'] * config['data']['batch_size']
                                  * config['data']['seq_len'])
   assert 1.0 <= row['tokens_per_step'] <= 1 + config['model']['mtp_num_heads']
+  accepted = row['accepted_at_depth']
+  assert len(accepted) == config['model']['mtp_num_heads']
+  assert row['tokens_per_step'] == pytest.approx(1 + sum(accepted))  # Depth by depth.
   with pytest.raises(ValueError, match='not \\[1000\\]'):
     FLAGS.steps = ['1000']
     data_scale.main([])
