@@ -2,7 +2,7 @@
 # installs the project into it on first use.
 PYTHON ?= python3
 VENV ?= .venv
-WORKDIR ?= workdirs/code_small
+WORKDIR ?= workdirs/smollm2_demo
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
@@ -13,11 +13,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,bench,peer,serve,notebook,data,gcs]'
 	touch $@
 
-.PHONY: install demo test clean
+.PHONY: install demo demo-scratch test clean
 install: $(VENV)/.installed
 
+# An EAGLE-3 drafter for SmolLM2 (imported once into workdirs/smollm2), trained and measured.
 demo: $(VENV)/.installed
 	$(BIN)/python -m launch.demo --workdir=$(WORKDIR)
+
+# The from-scratch demo: a small MTP model trained jointly on the standard library.
+demo-scratch: $(VENV)/.installed
+	$(BIN)/python -m launch.demo --config=configs/code_small.py --workdir=workdirs/code_small
 
 # XLA:CPU (jaxlib 0.10.2) now and then segfaults or aborts a worker while it compiles or loads a
 # program from the persistent compilation cache (about 2 of ~900 tests a run, never the same

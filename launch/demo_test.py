@@ -19,7 +19,7 @@ from mtp.train import preemption
 from mtp.train import trainer
 
 
-def test_the_demo_runs_end_to_end_on_a_tiny_config(tmp_path):
+def _demo(tmp_path, *flags_):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   env.pop('XLA_FLAGS', None)  # One device, as a user's machine.
   env['MTP_CACHE_DIR'] = str(tmp_path / 'cache')  # 'auto' measures its break-even there.
@@ -28,14 +28,45 @@ def test_the_demo_runs_end_to_end_on_a_tiny_config(tmp_path):
   run = subprocess.run(
       [sys.executable, '-m', 'launch.demo', '--config=configs/tiny.py',
        f'--workdir={tmp_path / "wd"}', '--config.num_train_steps=2', '--config.eval_steps=0',
-       '--heldout_batches=1', '--decode_prompts=2', '--decode_tokens=8'],
+       '--heldout_batches=1', '--decode_prompts=2', '--decode_tokens=8', *flags_],
       env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   assert 'Held-out code' in run.stdout
-  for decoder in ('speculative', 'auto'):
-    assert re.search(rf'{decoder} .* outputs matched: yes \(2/2 prompts\)', run.stdout), (
-        run.stdout[-2000:])
   assert (tmp_path / 'wd' / 'learning_curve.png').stat().st_size > 0
+  return run.stdout
+
+
+def test_the_demo_runs_end_to_end_on_a_tiny_config(tmp_path):
+  out = _demo(tmp_path, '--decode_kinds=code')
+  for decoder in ('speculative', 'auto'):
+    assert re.search(rf'{decoder} .* outputs matched: yes \(2/2 prompts\)', out), out[-2000:]
+
+
+def test_the_demo_trains_a_drafter_on_a_frozen_base_and_decodes_code_and_prose(tiny_workdir,
+                                                                              tmp_path):
+  """The default demo's path (configs/smollm2_demo.py) on the tiny trunk: an EAGLE-3 drafter
+  over a draft vocabulary, teacher targets, cached states; code and prose prompts."""
+  out = _demo(tmp_path, f'--config.init_from={tiny_workdir}', '--config.optim.mode=frozen_trunk',
+              '--config.distill.targets=teacher', '--config.distill.cache_trunk_states=True',
+              '--config.model.mtp_head_type=eagle', '--config.model.eagle_features=fused',
+              '--config.model.eagle_input=concat', '--config.mtp_head_draft_vocab=64',
+              f'--base={tmp_path / "never_read"}')
+  assert 'on the frozen trunk of' in out and 'Importing' not in out
+  for kind in ('code', 'prose'):
+    assert f'held-out {kind} prompts' in out
+  assert len(re.findall(r'outputs matched: yes \(2/2 prompts\)', out)) == 4, out[-2000:]
+
+
+def test_a_missing_base_is_imported_once(tmp_path, monkeypatch):
+  from mtp.pretrained import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  calls = []
+  monkeypatch.setattr(workdir_lib, 'resolve_source', lambda source: f'resolved {source}')
+  monkeypatch.setattr(workdir_lib, 'import_weights',
+                      lambda source, base: calls.append((source, base)) or
+                      (base / 'checkpoints').mkdir(parents=True))
+  demo.import_base(tmp_path / 'base', 'smollm2')
+  demo.import_base(tmp_path / 'base', 'smollm2')
+  assert calls == [('resolved smollm2', tmp_path / 'base')]
 
 
 @pytest.mark.parametrize('error,code', [
