@@ -34,6 +34,8 @@ flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines or 
 flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
 flags.DEFINE_string('output', 'results/data_scale.json', 'JSON results.')
 flags.DEFINE_string('plot', 'results/data_scale.png', 'Plot ("" for none).')
+flags.DEFINE_bool('keep_other_runs', True, 'Keep the rows of runs other than --workdirs\' '
+                  'that --output already holds (one curve per run, measured at different times).')
 
 
 def parse_workdirs(specs: list[str]) -> dict[str, pathlib.Path]:
@@ -126,10 +128,12 @@ def main(argv):
         print(f'{name:<10} step {step:>5} {row["train_tokens"] / 1e6:>6.3f}M tokens {kind:<5} '
               f'{row["tokens_per_step"]:.3f} tokens/step, accepted at depth {depths}, '
               f'exact={row["exact"]}', flush=True)
+  output = pathlib.Path(FLAGS.output)
+  if FLAGS.keep_other_runs and output.exists():
+    rows = [r for r in json.loads(output.read_text())['rows'] if r['run'] not in runs] + rows
   result = dict(num_prompts=FLAGS.num_prompts, prompt_tokens=FLAGS.prompt_tokens,
                 max_new_tokens=FLAGS.max_new_tokens, decoder='chain of all heads, greedy',
                 rows=rows)
-  output = pathlib.Path(FLAGS.output)
   output.parent.mkdir(parents=True, exist_ok=True)
   output.write_text(json.dumps(result, indent=2) + '\n')
   print(f'wrote {output}')
