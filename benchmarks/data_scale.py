@@ -22,6 +22,7 @@ import pathlib
 from absl import app
 from absl import flags
 
+import launch
 from benchmarks import heldout_prompts
 
 FLAGS = flags.FLAGS
@@ -93,6 +94,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
 def main(argv):
   del argv
+  launch.quiet_library_logs()
   import mtp  # pylint: disable=import-outside-toplevel
   from mtp.checkpoint import checkpointing  # pylint: disable=import-outside-toplevel
 
