@@ -83,7 +83,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                       if r['run'] == name and r['kind'] == kind)
       ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], marker='o',
               label=f'{name}, {kind}')
-  ax.set_xlabel('training tokens (millions)')
+  ax.set_xscale('log')
+  ax.set_xlabel('training tokens (millions, log scale)')
   ax.set_ylabel('tokens per chain step (held-out, greedy)')
   ax.grid(alpha=0.3)
   ax.legend()
