@@ -56,10 +56,11 @@ def print_learning_curve(records: list[dict], num_heads: int, rows: int = 12) ->
   heads = ''.join(f'  head{k}_acc' for k in range(1, num_heads + 1))
   print(f'\n{"step":>6}  {"loss":>7}  {"ntp_loss":>8}  {"ntp_acc":>7}{heads}  {"accept":>6}'
         f'  {"tok/s":>7}')
-  for r in picked:  # A frozen trunk learning its own tokens logs no next-token loss.
+  for r in picked:  # A frozen trunk learning its own tokens logs no next-token loss: '-'.
     accs = ''.join(f'  {r.get(f"head_{k}_acc", 0):>9.3f}' for k in range(1, num_heads + 1))
-    print(f'{r["step"]:>6}  {r["loss"]:>7.3f}  {r.get("ntp_loss", float("nan")):>8.3f}  '
-          f'{r.get("ntp_acc", float("nan")):>7.3f}{accs}'
+    ntp = ''.join(f'  {r[key]:>{width}.3f}' if key in r else f'  {"-":>{width}}'
+                  for key, width in (('ntp_loss', 8), ('ntp_acc', 7)))
+    print(f'{r["step"]:>6}  {r["loss"]:>7.3f}{ntp}{accs}'
           f'  {r.get("acceptance_proxy", 0):>6.2f}  {r["tokens_per_sec"]:>7.0f}')
 
 
