@@ -173,8 +173,8 @@ def main(argv):
       if config.init_from:
         import_base(pathlib.Path(config.init_from), FLAGS.base)
         print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads '
-              f'({config.model.get("eagle_features", "")} features) on the frozen trunk of '
-              f'{config.init_from} ({config.num_train_steps} steps) in {workdir}', flush=True)
+              f'on the frozen trunk of {config.init_from} ({config.num_train_steps} steps) in '
+              f'{workdir}', flush=True)
       else:
         print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads '
               f'jointly with the trunk on the standard library ({config.num_train_steps} '

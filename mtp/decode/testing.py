@@ -11,9 +11,10 @@ from mtp.decode import plan as plan_lib
 from mtp.decode import settings as settings_lib
 from mtp.model import mtp_model
 from mtp.model import testing as model_testing
+from mtp.model.heads import eagle
 
 # Head-type names that are option variants of a family: name -> (family, head_options).
-VARIANTS = {'eagle3': ('eagle', (('eagle_features', 'fused'), ('eagle_input', 'concat')))}
+VARIANTS = {'eagle3': ('eagle', tuple(eagle.EAGLE3.items()))}
 
 
 def head_model(name: str, seed: int = 0, **kwargs) -> mtp_model.MTPModel:

@@ -113,6 +113,9 @@ Array = jax.Array
 TRAIN_FEATURES = ('drafted', 'trunk')
 FEATURES = ('last', 'fused')
 INPUTS = ('fc', 'concat')
+# The options that make this family EAGLE-3's drafter (train it with
+# eagle_feature_loss_weight=0, as configs/smollm2_eagle3.py does).
+EAGLE3 = {'eagle_features': 'fused', 'eagle_input': 'concat'}
 SUBDIRECTORY = 'eagle'
 SUBDIRECTORY_EAGLE3 = 'eagle3'
 # EAGLE-3's layer: our names -> Hugging Face names under `midlayer.` (beside `_LAYER_NAMES`).
