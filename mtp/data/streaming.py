@@ -57,15 +57,20 @@ class StreamedRows:
 
 
 def check_tokenizer(dataset: shards.Dataset, tokenizer: tokenizer_lib.Tokenizer,
-                    where: str) -> None:
-  """Raises TokenizerMismatchError unless `tokenizer` (the one at `where`) made the dataset."""
+                    where: str, *, dataset_name: str | None = None,
+                    tokenizer_name: str | None = None, remedy: str | None = None) -> None:
+  """Raises TokenizerMismatchError unless `tokenizer` (the one at `where`) made the dataset.
+
+  The message names the dataset (`dataset_name`, default its directory) and the tokenizer's
+  home (`tokenizer_name`, default 'the one in WHERE'), and ends with `remedy` (default: a new
+  workdir, or data prepared with WHERE's tokenizer)."""
   if shards.tokenizer_hash(tokenizer) != dataset.tokenizer_hash:
     made = dataset.manifest['tokenizer']
+    remedy = remedy or f'use a new workdir, or prepare the data with --tokenizer={where}'
     raise TokenizerMismatchError(
-        f'The dataset {dataset.directory} was tokenized with another tokenizer ({made["kind"]}, '
-        f'{made["vocab_size"]} ids) than the one in {where} ({tokenizer.kind}, '
-        f'{tokenizer.vocab_size} ids): use a new workdir, or prepare the data with '
-        f'--tokenizer={where}.')
+        f'The dataset {dataset_name or dataset.directory} was tokenized with another tokenizer '
+        f'({made["kind"]}, {made["vocab_size"]} ids) than {tokenizer_name or f"the one in {where}"}'
+        f' ({tokenizer.kind}, {tokenizer.vocab_size} ids): {remedy}.')
 
 
 def split_rows(dataset: shards.Dataset, split: str, seq_len: int,

@@ -13,6 +13,7 @@ import ml_collections
 from mtp.checkpoint import checkpointing
 from mtp.checkpoint import paths
 from mtp.data import shards
+from mtp.data import streaming
 from mtp.data import tokenizer as tokenizer_lib
 from mtp.model import layout
 from mtp.model import mtp_model
@@ -131,14 +132,10 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
   path = paths.as_path(source) / tokenizer_lib.FILENAME
   if not path.exists():
     raise checkpointing.CheckpointError(f'init_from: {path} does not exist.')
-  tokenizer = tokenizer_lib.Tokenizer.load(path)
-  if shards.tokenizer_hash(tokenizer) != dataset.tokenizer_hash:
-    made = dataset.manifest['tokenizer']
-    raise ValueError(
-        f'The dataset data.source={dataset.directory} was tokenized with another tokenizer '
-        f'({made["kind"]}, {made["vocab_size"]} ids) than the base workdir init_from={source} '
-        f'({tokenizer.kind}, {tokenizer.vocab_size} ids): prepare the data with '
-        f'--tokenizer={source}.')
+  streaming.check_tokenizer(dataset, tokenizer_lib.Tokenizer.load(path), source,
+                            dataset_name=f'data.source={dataset.directory}',
+                            tokenizer_name=f'the base workdir init_from={source}',
+                            remedy=f'prepare the data with --tokenizer={source}')
 
 
 def check_same_trunk(source: str | pathlib.Path,
