@@ -23,6 +23,7 @@ from absl import app
 from absl import flags
 
 import launch
+from benchmarks import acceptance
 from benchmarks import heldout_prompts
 
 FLAGS = flags.FLAGS
@@ -55,21 +56,6 @@ def parse_workdirs(specs: list[str]) -> dict[str, pathlib.Path]:
 def tokens_at(config: dict, step: int) -> int:
   """Training positions a run has read by `step` (batch rows times their length)."""
   return int(step) * int(config['data']['batch_size']) * int(config['data']['seq_len'])
-
-
-def chain_figures(generations, references) -> dict:
-  """Tokens per step of chain generations, the share of steps whose draft d (1-based) was
-  accepted (depth 1: the held-out first-draft acceptance), and whether each generation equals
-  its greedy reference."""
-  steps = sum(g.num_steps for g in generations)
-  emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in generations)
-  histogram = [sum(g.accepted_histogram[j] for g in generations)
-               for j in range(len(generations[0].accepted_histogram))]
-  # A step that emitted j + 1 tokens accepted drafts 1..j.
-  accepted = [sum(histogram[d + 1:]) / max(steps, 1) for d in range(1, len(histogram) - 1)]
-  return dict(tokens_per_step=emitted / max(steps, 1), accepted_at_depth=accepted, steps=steps,
-              tokens=emitted,
-              exact=all(g.tokens == r.tokens for g, r in zip(generations, references)))
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
@@ -125,7 +111,7 @@ def main(argv):
                                    decoder='speculative', tree='chain')
         row = dict(run=name, workdir=str(workdir), step=step, kind=kind,
                    train_tokens=tokens_at(config, step),
-                   **chain_figures(generations, references[kind]))
+                   **acceptance.chain_figures(generations, references[kind]))
         rows.append(row)
         depths = ' '.join(f'{a:.3f}' for a in row['accepted_at_depth'])
         print(f'{name:<10} step {step:>5} {row["train_tokens"] / 1e6:>6.3f}M tokens {kind:<5} '

@@ -43,6 +43,8 @@ import time
 from absl import app
 from absl import flags
 
+from benchmarks import acceptance
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string('root', 'workdirs/drafters', 'Where the workdirs go (reused when trained).')
 flags.DEFINE_string('trunk', '', 'A trained workdir whose trunk the heads train on; empty: '
@@ -203,19 +205,14 @@ def measure(workdirs: dict[str, pathlib.Path], prompts: list[str],
   out = {}
   for name, run in runs.items():
     chain, reference = run['chain'], run['autoregressive']
-    steps = sum(g.num_steps for g in chain[0])
-    emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in chain[0])
-    # Steps that emitted at least j + 1 tokens: the share whose draft j was accepted.
-    histogram = [sum(g.accepted_histogram[j] for g in chain[0])
-                 for j in range(len(chain[0][0].accepted_histogram))]
-    reached = [sum(histogram[j + 1:]) / max(steps, 1) for j in range(1, len(histogram) - 1)]
+    figures = acceptance.chain_figures(chain[0], reference[0])
     speedup = statistics.median(rate(c) / rate(r) for c, r in zip(chain, reference))
-    tokens_per_step = emitted / max(steps, 1)
+    tokens_per_step = figures['tokens_per_step']
     out[name] = dict(
         batch_size=batch_size,
         extra_parameters=extra_parameters(loaded[name]),
         tokens_per_step=tokens_per_step,
-        draft_accepted_at_depth=reached,
+        draft_accepted_at_depth=figures['accepted_at_depth'],
         chain_tokens_per_sec=statistics.median(rate(g) for g in chain),
         autoregressive_tokens_per_sec=statistics.median(rate(g) for g in reference),
         speedup=speedup,
@@ -223,8 +220,7 @@ def measure(workdirs: dict[str, pathlib.Path], prompts: list[str],
         # speedup is tokens per step over that ratio (prefills counted in both).
         step_cost=tokens_per_step / speedup,
         # Greedy: token for token. Sampled: equal in distribution only (not compared).
-        outputs_match=(all(c.tokens == r.tokens for c, r in zip(chain[0], reference[0]))
-                       if temperature == 0 else None),
+        outputs_match=figures['exact'] if temperature == 0 else None,
         distinct_tokens=len({t for g in reference[0] for t in g.tokens}))
   return out
 

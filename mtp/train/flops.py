@@ -20,7 +20,7 @@ trains. Counted per global batch of B rows of T tokens:
     logits, the input gradient and the weight gradient of each chunk once (3x the forward), or
     2x when the output layer is frozen; soft labels (`distill.soft_labels`) add the teacher's
     logits over the heads' rows (1x their forward). A draft vocabulary of N ids
-    (`mtp_head_draft_vocab`) makes the heads' rows D x N;
+    (`mtp_head_draft_vocab`) makes the heads' rows D x N.
 
 What the count leaves out, on purpose:
   * elementwise work: norms, rotary embeddings, softmax, SiLU, the loss's exp/log, the
