@@ -3,7 +3,9 @@
 A static tree (`trees.Tree`) spends its N nodes on the same ranks every step, whatever the
 heads believe. A dynamic tree keeps a larger static tree, the *superset*, and at every step
 picks per row the N - 1 superset nodes whose drafts the heads find most probable together:
-node n scores the sum of log q_d(token) over the drafts on its path (q_d: head d's softmax). The
+node n scores the sum of log q(token) over the drafts on its path, q the distribution drafted
+at each node's parent (`heads.TreeDrafts`: head d's softmax for most families, the drafter's
+own at that parent for EAGLE, whose every superset node gets its own children). The
 N nodes are the block that one trunk pass verifies, so its cost stays fixed (a budget,
 `DecodeRequest.tree_budget`) while its shape follows the heads' confidence: deep where they
 are sure, wide where they hesitate.
@@ -12,7 +14,7 @@ Shapes stay static: every row verifies N nodes; only which superset nodes they a
 their parents, depths and attention mask, changes per step and per row (`RowTrees`, [B, ...]
 arrays). The selection is prefix-closed without any repair: a child's score is its parent's
 plus a log-probability <= 0, so never more, and `lax.top_k` prefers the lower index on ties,
-where parents precede children. Siblings rank their tokens by the same head's probability, so
+where parents precede children. Siblings rank their tokens by the same distribution, so
 a node's selected children are always its first ones in rank order, as the rejection sampler
 (`sampling.rejection_accept_tree`) tries them.
 
@@ -106,39 +108,17 @@ def reachable(superset: trees_lib.Tree, budget: int) -> trees_lib.Tree:
   return trees_lib.tree_from_choices([p for p in superset.choices if len(p) < budget])
 
 
-def node_scores(superset: trees_lib.Tree, log_probs: Array) -> Array:
-  """Each superset node's path log-probability under the heads' drafts.
-
-  Args:
-    superset: the static tree the nodes come from.
-    log_probs: [B, depth, R] log q of each head's top-R candidates (ranks descending in q).
-
-  Returns:
-    [B, M] float32: 0 at the root; node n: its parent's score + log q_{depth(n)}(rank(n)).
-  """
-  log_probs = jnp.minimum(log_probs.astype(jnp.float32), 0.0)  # Rounding never lifts a child.
-  heads = slice(1, superset.num_nodes)
-  own = log_probs[:, superset.depth[heads] - 1, superset.rank[heads]]  # [B, M - 1]
-  own = jnp.pad(own, ((0, 0), (1, 0)))
-  parent = np.maximum(superset.parent, 0)
-  scores = own
-  for _ in range(superset.max_depth):  # One more level of ancestors per pass.
-    scores = own + scores[:, parent]
-  return scores
-
-
-def select(superset: trees_lib.Tree, log_probs: Array, budget: int) -> Array:
+def select(scores: Array, budget: int) -> Array:
   """Every row's `budget` best superset nodes, root included, in superset (BFS) order.
 
   Args:
-    superset: static tree of M nodes (heads' drafts only).
-    log_probs: [B, depth, R] as in `node_scores`.
+    scores: [B, M] float32 each superset node's path log-probability under the heads
+      (`heads.TreeDrafts.scores`: 0 at the root, a child never above its parent).
     budget: N, nodes per row, 2 <= N <= M.
 
   Returns:
     [B, N] int32 superset node indices, ascending, starting with the root (0).
   """
-  scores = node_scores(superset, log_probs)
   _, best = jax.lax.top_k(scores[:, 1:], budget - 1)
   chosen = jnp.sort(best.astype(jnp.int32) + 1, axis=1)
   return jnp.pad(chosen, ((0, 0), (1, 0)))

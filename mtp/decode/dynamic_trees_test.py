@@ -10,31 +10,42 @@ import pytest
 
 from mtp.decode import dynamic_trees
 from mtp.decode import trees
+from mtp.model.heads import tree_drafts
 
 SUPERSET = trees.tree_from_choices(
     [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0),
      (1, 0, 0)])
 
 
-def _log_probs(seed, batch=4, depth=3, ranks=3):
-  """Random log-probabilities, descending in rank as top-k's are."""
-  rng = np.random.default_rng(seed)
-  logits = rng.normal(size=(batch, depth, 16)) * 2
-  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
-  return np.log(-np.sort(-probs, axis=-1)[..., :ranks]).astype(np.float32)
+def _log_probs(seed, batch=4, depth=3, vocab=16):
+  """Random heads' log-probabilities [B, depth, V] (log-softmax)."""
+  logits = np.random.default_rng(seed).normal(size=(batch, depth, vocab)) * 2
+  return (logits - np.log(np.exp(logits).sum(-1, keepdims=True))).astype(np.float32)
+
+
+def _select(log_probs, budget):
+  """`select` on the superset scored by depth (`tree_drafts.by_depth`: head d's distribution
+  for every node at depth d - 1)."""
+  drafts = tree_drafts.by_depth(SUPERSET, jnp.transpose(jnp.asarray(log_probs), (1, 0, 2)),
+                                lambda index: index)
+  return dynamic_trees.select(drafts.scores, budget)
 
 
 def _path_score(tree, node, log_probs_row):
-  return sum(log_probs_row[tree.depth[n] - 1, tree.rank[n]]
-             for n in tree.node_paths[node] if n > 0)
+  ranked = -np.sort(-log_probs_row, axis=-1)  # [depth, V], best first.
+  return sum(ranked[tree.depth[n] - 1, tree.rank[n]] for n in tree.node_paths[node] if n > 0)
 
 
 def test_scores_sum_the_log_probabilities_along_each_path():
   lp = _log_probs(0)
-  scores = np.asarray(dynamic_trees.node_scores(SUPERSET, jnp.asarray(lp)))
+  drafts = tree_drafts.by_depth(SUPERSET, jnp.transpose(jnp.asarray(lp), (1, 0, 2)),
+                                lambda index: index)
   for b in range(lp.shape[0]):
     expected = [_path_score(SUPERSET, n, lp[b]) for n in range(SUPERSET.num_nodes)]
-    np.testing.assert_allclose(scores[b], expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(drafts.scores[b], expected, rtol=1e-5, atol=1e-5)
+    ranked = np.argsort(-lp[b], axis=-1, kind='stable')
+    np.testing.assert_array_equal(
+        drafts.tokens[b, 1:], ranked[SUPERSET.depth[1:] - 1, SUPERSET.rank[1:]])
 
 
 @pytest.mark.parametrize('budget', [2, 4, 7, SUPERSET.num_nodes])
@@ -42,7 +53,7 @@ def test_selection_is_the_best_prefix_closed_set(budget):
   """Brute force over every prefix-closed set of budget - 1 nodes: none scores more in total
   (the best set is the top scores, as a child never outscores its parent)."""
   lp = _log_probs(1)
-  chosen = np.asarray(dynamic_trees.select(SUPERSET, jnp.asarray(lp), budget))
+  chosen = np.asarray(_select(lp, budget))
   assert chosen.shape == (lp.shape[0], budget)
   for b in range(lp.shape[0]):
     row = list(chosen[b])
@@ -58,9 +69,9 @@ def test_selection_is_the_best_prefix_closed_set(budget):
 
 def test_ties_keep_the_selection_prefix_closed():
   """Certain heads (log q = 0 at rank 0) tie a child with its parent: the parent goes first."""
-  lp = np.full((1, 3, 3), -5.0, np.float32)
+  lp = np.full((1, 3, 3), -100.0, np.float32)
   lp[:, :, 0] = 0.0
-  chosen = np.asarray(dynamic_trees.select(SUPERSET, jnp.asarray(lp), 4))[0]
+  chosen = np.asarray(_select(lp, 4))[0]
   assert [SUPERSET.choices[n - 1] for n in chosen[1:]] == [(0,), (0, 0), (0, 0, 0)]
 
 
@@ -68,7 +79,7 @@ def test_confident_heads_grow_deep_and_unsure_heads_wide():
   confident = np.log(np.array([[0.9, 0.05, 0.05]] * 3, np.float32))[None]
   unsure = np.log(np.array([[0.34, 0.33, 0.33]] * 3, np.float32))[None]
   lp = jnp.asarray(np.concatenate([confident, unsure]))
-  chosen = np.asarray(dynamic_trees.select(SUPERSET, lp, 4))
+  chosen = np.asarray(_select(lp, 4))
   depths = SUPERSET.depth[chosen]
   assert list(depths[0]) == [0, 1, 2, 3]  # A chain.
   assert list(depths[1]) == [0, 1, 1, 1]  # Every rank of head 1.
@@ -76,7 +87,7 @@ def test_confident_heads_grow_deep_and_unsure_heads_wide():
 
 def test_row_trees_are_the_static_trees_of_the_chosen_nodes():
   lp = _log_probs(2, batch=6)
-  chosen = dynamic_trees.select(SUPERSET, jnp.asarray(lp), 6)
+  chosen = _select(lp, 6)
   rows = jax.jit(dynamic_trees.row_trees, static_argnums=0)(SUPERSET, chosen)
   for b in range(lp.shape[0]):
     static = trees.tree_from_choices([SUPERSET.choices[n - 1] for n in np.asarray(chosen[b, 1:])])
@@ -92,7 +103,7 @@ def test_row_trees_are_the_static_trees_of_the_chosen_nodes():
 
 
 def test_the_whole_superset_is_the_static_tree():
-  chosen = dynamic_trees.select(SUPERSET, jnp.asarray(_log_probs(3)), SUPERSET.num_nodes)
+  chosen = _select(_log_probs(3), SUPERSET.num_nodes)
   rows = dynamic_trees.row_trees(SUPERSET, chosen)
   static = dynamic_trees.broadcast(SUPERSET, 4)
   for a, b in zip(jax.tree.leaves(rows), jax.tree.leaves(static)):

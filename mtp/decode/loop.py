@@ -43,6 +43,7 @@ from mtp.decode import settings as settings_lib
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.model.heads import tree_drafts
 
 Array = jax.Array
 PREFILL_CHUNK = 64
@@ -110,18 +111,18 @@ def _head_vocab(model, plan, data):
   return model.draft_vocab(data.drafters[plan.heads_drafter]) if plan.draft_vocab_size else None
 
 
-def _head_logits(model, plan, vocab, features, tokens: Array, last_index: Array, cache,
+def _head_drafts(model, plan, vocab, features, tokens: Array, last_index: Array, cache,
                  lengths: Array):
-  """The heads' draft logits [depth, B, V or M] at each row's last accepted token, masked to
-  emittable ids, and the cache (heads that attend write their layers)."""
-  depth = plan.head_depth
-  tokens = jnp.pad(tokens, ((0, 0), (0, depth)))  # Scratch columns the heads write drafts to.
-  if vocab is None:
-    logits, cache = model.draft_logits(features, tokens, last_index, cache, lengths, depth)
-    return _mask(plan, logits), cache
-  logits, cache = model.draft_logits(features, tokens, last_index, cache, lengths, depth,
-                                     vocab=vocab)
-  return draft_vocab_lib.mask_ids(logits, vocab.ids, plan.vocab_limit, plan.banned_ids), cache
+  """The heads' drafts of every node of the heads drafter's tree (`heads.TreeDrafts` [B, M])
+  below each row's last accepted token, over emittable ids only, and the cache (heads that
+  attend write their layers)."""
+  tree = plan.drafters[plan.heads_drafter].head_nodes
+  tokens = jnp.pad(tokens, ((0, 0), (0, tree.max_depth)))  # Scratch for the heads' drafts.
+  mask = functools.partial(_mask, plan) if vocab is None else functools.partial(
+      draft_vocab_lib.mask_ids, ids=vocab.ids, vocab_limit=plan.vocab_limit,
+      banned_ids=plan.banned_ids)
+  return model.draft_tree(features, tokens, last_index, cache, lengths, tree, vocab=vocab,
+                          mask=mask)
 
 
 def _logprobs(plan, logits: Array, tokens: Array) -> Logprobs:
@@ -182,13 +183,12 @@ def prefill(model, data, plan, prompts: Array, lengths: Array, active: Array,
   last = lengths - 1
   keys = settings_lib.step_keys(settings, jnp.zeros((b,), jnp.int32))
   padded = jnp.pad(prompts, ((0, 0), (0, c + 1 + depth)))
-  head_width = plan.draft_vocab_size or model.cfg.trunk.vocab_size
   carry = (cache, jnp.zeros((b,), jnp.int32),
-           jnp.zeros((depth, b, head_width), jnp.float32) if depth else None,
+           tree_drafts.empty(plan.drafters[plan.heads_drafter].head_nodes, b) if depth else None,
            _empty_logprobs(b, 1 if plan.logprobs >= 0 else 0, max(plan.logprobs, 0)))
 
   def chunk(i, carry):
-    cache, first, head_logits, first_logprobs = carry
+    cache, first, head_drafts, first_logprobs = carry
     start = i * c
     tokens = jax.lax.dynamic_slice_in_dim(padded, start, c, axis=1)
     runs = active & (start < lengths)
@@ -209,12 +209,12 @@ def prefill(model, data, plan, prompts: Array, lengths: Array, active: Array,
       known = jax.lax.dynamic_slice_in_dim(padded, start, c + 1, axis=1)
       known = jnp.where(ends[:, None], kv_cache_lib.write_rows(known, token[:, None], index + 1),
                         known)
-      drafted, cache = _head_logits(m, plan, vocab, out.features, known, index, cache, starts)
-      head_logits = jnp.where(ends[None, :, None], drafted, head_logits)
-    return cache, first, head_logits, first_logprobs
+      drafted, cache = _head_drafts(m, plan, vocab, out.features, known, index, cache, starts)
+      head_drafts = _rows(ends, drafted, head_drafts)
+    return cache, first, head_drafts, first_logprobs
 
   num_chunks = (jnp.max(jnp.where(active, lengths, 0)) + c - 1) // c
-  cache, first, head_logits, first_logprobs = jax.lax.fori_loop(0, num_chunks, chunk, carry)
+  cache, first, head_drafts, first_logprobs = jax.lax.fori_loop(0, num_chunks, chunk, carry)
 
   width = plan.max_new_tokens + plan.depth + 1
   empty = LoopState(
@@ -228,7 +228,7 @@ def prefill(model, data, plan, prompts: Array, lengths: Array, active: Array,
   tokens, logprobs, num_generated, reason, _ = _append(empty, first[:, None],
                                                        jnp.ones((b,), jnp.int32), first_logprobs)
   prefilled = drafters_lib.Prefilled(prompts=prompts, lengths=lengths, first_token=first,
-                                     head_logits=head_logits)
+                                     head_drafts=head_drafts)
   states = tuple(d.start(prefilled, data.drafters[i]) for i, d in enumerate(plan.drafters))
   return empty.replace(tokens=tokens, logprobs=logprobs, num_generated=num_generated,
                        reason=reason, drafters=states, policy=() if plan.policy is None else
@@ -273,16 +273,16 @@ def _drafting_step(model, data, plan, vocab, s: LoopState, row_kind: Array | Non
   logprobs = _logprobs(plan, jnp.take_along_axis(logits, path[..., None], axis=1), emitted)
   if not chain:  # A chain's accepted prefix already sits at lengths .. lengths + n.
     cache = _compact(cache, s.lengths, path, m.num_verified_cache_layers)
-  head_logits = None
+  head_drafts = None
   if plan.head_depth:  # The accepted path is contiguous in the cache now: draft from it.
     features = jax.tree.map(lambda f: jnp.take_along_axis(
         f, path.reshape(path.shape + (1,) * (f.ndim - 2)), axis=1), out.features)
     known = kv_cache_lib.write_rows(jnp.pad(path_tokens, ((0, 0), (0, 1))),
                                     next_token[:, None], num_accepted + 1)
-    head_logits, cache = _head_logits(m, plan, vocab, features, known, num_accepted, cache,
+    head_drafts, cache = _head_drafts(m, plan, vocab, features, known, num_accepted, cache,
                                       s.lengths)
   return _advance(plan, data, s, emitted, num_accepted + 1, next_token, logprobs, cache,
-                  head_logits)
+                  head_drafts)
 
 
 def _one_token_step(model, data, plan, vocab, s: LoopState,
@@ -316,12 +316,12 @@ def _compact(cache: kv_cache_lib.KVCache, lengths: Array, path: Array,
 
 
 def _advance(plan, data, s: LoopState, emitted: Array, num_emitted: Array,
-             next_token: Array, logprobs: Logprobs, cache, head_logits) -> LoopState:
+             next_token: Array, logprobs: Logprobs, cache, head_drafts) -> LoopState:
   """The state after a step: running rows move on, finished ones keep their state."""
   active = s.reason == RUNNING
   tokens, logprobs, num_generated, reason, kept = _append(s, emitted, num_emitted, logprobs)
   accepted = drafters_lib.Accepted(emitted=emitted, num_emitted=num_emitted, lengths=s.lengths,
-                                   head_logits=head_logits)
+                                   head_drafts=head_drafts)
   states = tuple(d.update(state, accepted, data.drafters[i])
                  for i, (d, state) in enumerate(zip(plan.drafters, s.drafters)))
   histogram = s.histogram + (jax.nn.one_hot(kept, s.histogram.shape[1], dtype=jnp.int32)

@@ -3,11 +3,12 @@
 XLA:CPU picks its kernels and reduction orders by shape: a row's logits in a batch of 8 differ
 from the same row decoded alone in the last bits (attention reductions and matmul tilings change
 with the batch size), and a greedy argmax near a tie can flip. `RowMapped` runs each model call
-(`step`, `logits`, `draft_logits`) in a loop over rows, each row shaped [1, ...]: every row then
-runs the batch-1 program, so its tokens are those of a batch of one, whatever else is in the
-batch. The KV cache is the loop's carry, read and written in place (`kv_cache.RowView`), so a
-step costs the same whatever the cache's capacity. Rows marked inactive (finished, cancelled,
-filler) skip their call under `lax.cond` and cost nothing but the branch.
+(`step`, `logits`, `draft_logits`, `draft_tree`) in a loop over rows, each row shaped [1, ...]:
+every row then runs the batch-1 program, so its tokens are those of a batch of one, whatever
+else is in the batch. The KV cache is the loop's carry, read and written in place
+(`kv_cache.RowView`), so a step costs the same whatever the cache's capacity. Rows marked
+inactive (finished, cancelled, filler) skip their call under `lax.cond` and cost nothing but
+the branch.
 
 The price: rows no longer share one matmul. The loop still runs a whole batch per dispatch and
 host round trip, which is what an overhead-bound model on CPU gains most from.
@@ -100,3 +101,12 @@ class RowMapped:
     rows = dict(features=features, tokens=tokens, last_index=last_index, lengths=lengths)
     logits, new_cache = self._map(call, rows, cache)  # logits [B, depth, V]
     return jnp.swapaxes(logits, 0, 1), new_cache
+
+  def draft_tree(self, features, tokens, last_index, cache, lengths, tree, vocab=None,
+                 mask=None):
+    def call(r, row_cache):
+      return self._model.draft_tree(r['features'], r['tokens'], r['last_index'], row_cache,
+                                    r['lengths'], tree, vocab=vocab, mask=mask)
+
+    rows = dict(features=features, tokens=tokens, last_index=last_index, lengths=lengths)
+    return self._map(call, rows, cache)

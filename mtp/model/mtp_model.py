@@ -8,7 +8,8 @@ Entry points:
     plus the `features` the heads draft from (computed in the same pass by families that run
     in it).
   * `draft_logits`: the heads' draft logits [depth, B, V] at the last accepted token (or
-    [depth, B, N] over a draft vocabulary's N ids).
+    [depth, B, N] over a draft vocabulary's N ids); `draft_tree`: their drafts for every node
+    of a static tree below it (what the decode loop's drafters read).
   * `logits`: projects hidden states through the shared output layer.
 
 Everything family-specific sits behind the `mtp.model.heads.HeadFamily` protocol.
@@ -290,3 +291,21 @@ class MTPModel(nnx.Module):
     extra = {} if vocab is None else {'vocab': vocab}
     return self.heads.draft(self.trunk, features, tokens, last_index, cache, lengths, depth,
                             first_layer=self.cfg.trunk.num_layers, **extra)
+
+  def draft_tree(self, features, tokens: Array, last_index: Array,
+                 cache: kv_cache_lib.KVCache, lengths: Array, tree,
+                 vocab: Array | None = None, mask=None
+                 ) -> tuple[heads_lib.TreeDrafts, kv_cache_lib.KVCache]:
+    """The heads' drafts for every node of a static tree below the last accepted token.
+
+    Args:
+      features, tokens, last_index, cache, lengths, vocab: as `draft_logits`'s (`tokens` with
+        tree.max_depth scratch columns).
+      tree: a static tree (`mtp.decode.trees.Tree`) no deeper than the heads.
+      mask: maps draft logits [..., V or N] to the same with ids never emitted at -inf.
+
+    Returns:
+      (`heads.TreeDrafts`: tokens and path scores [B, M], cache).
+    """
+    return self.heads.draft_tree(self.trunk, features, tokens, last_index, cache, lengths,
+                                 tree, self.cfg.trunk.num_layers, vocab=vocab, mask=mask)

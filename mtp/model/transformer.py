@@ -152,9 +152,11 @@ class Attention(nnx.Module):
     q_width = cfg.num_attention_heads * cfg.head_dim
     return tuple(jnp.split(fused(x), (q_width, q_width + cfg.num_kv_heads * cfg.head_dim), -1))
 
-  def __call__(self, x: Array, positions: Array, mask: Array,
+  def __call__(self, x: Array, positions: Array, mask: Array | None,
                cache: tuple[Array, Array] | None = None,
-               lengths: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
+               lengths: Array | None = None,
+               ancestors: tuple[Array, Array] | None = None
+               ) -> tuple[Array, tuple[Array, Array] | None]:
     """Attends x [B, T, D] at `positions` [B, T].
 
     Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, S, G, H],
@@ -163,6 +165,11 @@ class Attention(nnx.Module):
     inside the new block what the mask allows; `kv_cache.attend`, whose result does not depend
     on S), or a whole [B, 1, T, S] mask over the cache's slots. Returns the output [B, T, D]
     and the updated (keys, values) or None.
+
+    With `ancestors` = (keys, values), each [B, T, A, G, H] (rotated), the cache is only read:
+    query t sees the committed slots (< lengths), then A keys of its own and its own new key
+    (tree drafting: a node's ancestors, kept outside the cache). `mask` is unused, and the
+    second result is the new tokens' (keys, values) [B, T, G, H], not the cache.
     """
     cfg = self.cfg
     b, t, _ = x.shape
@@ -172,6 +179,12 @@ class Attention(nnx.Module):
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     q = rotary_embedding(q, positions, cfg.rope_theta)
     k = rotary_embedding(k, positions, cfg.rope_theta)
+    if ancestors is not None:
+      own = tuple(jnp.concatenate([a, new[:, :, None]], axis=2) for a, new in
+                  zip(ancestors, (k, v)))
+      out = kv_cache_lib.attend(q, cache[0], cache[1], lengths, jnp.zeros((t, 1), bool),
+                                own=own + (jnp.ones((t, own[0].shape[2]), bool),))
+      return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), (k, v)
     if cache is not None:
       keys = kv_cache_lib.write_rows(cache[0], k, lengths)
       values = kv_cache_lib.write_rows(cache[1], v, lengths)

@@ -21,9 +21,11 @@ A drafter is a frozen dataclass (hashable: part of the compiled decoder's identi
     pays (prompt lookup checks its chains against the text, `drafters.shadow`).
 `start` and `update` also get the drafter's data: arrays the plan made for it (a table, a draft
 vocabulary's ids), passed to the compiled loop as arguments, so new data of the same shapes
-compiles nothing. Drafters that read the model's MTP heads set `head_depth` (and `vocab_size`,
-a draft vocabulary, whose [M] ids are then their data): the loop runs the heads after each
-verification and hands their draft logits to `update` (`Accepted.head_logits`). A drafter
+compiles nothing. Drafters that read the model's MTP heads set `head_nodes`, the static tree
+whose every node the heads draft (and `vocab_size`, a draft vocabulary, whose [M] ids are then
+their data): the loop runs the heads after each verification and hands their drafts of those
+nodes, a token and a path score each, to `update` (`Accepted.head_drafts`,
+`MTPModel.draft_tree`). A drafter
 whose tree changes per row and step (a dynamic tree) sets `dynamic` and gives
 `row_trees(state)`; it verifies alone.
 
@@ -48,6 +50,7 @@ import jax.numpy as jnp
 
 from mtp.decode import dynamic_trees
 from mtp.decode import trees as trees_lib
+from mtp.model import heads as heads_lib
 
 Array = jax.Array
 
@@ -60,13 +63,13 @@ class Prefilled:
     prompts: [B, P] right-padded prompt tokens.
     lengths: [B] prompt lengths: the first token sits at position `lengths`.
     first_token: [B] the token the prefill chose.
-    head_logits: [depth, B, V] (or over the draft vocabulary's ids) the MTP heads' draft logits
-      at the first token, when a drafter reads the heads; else None.
+    head_drafts: the MTP heads' drafts below the first token (`heads.TreeDrafts` of the
+      heads drafter's `head_nodes`), when a drafter reads the heads; else None.
   """
   prompts: Array
   lengths: Array
   first_token: Array
-  head_logits: Array | None = None
+  head_drafts: heads_lib.TreeDrafts | None = None
 
 
 @flax.struct.dataclass
@@ -78,14 +81,15 @@ class Accepted:
       `num_emitted` count); emitted token j sits at position `lengths + 1 + j`.
     num_emitted: [B] in 1..W.
     lengths: [B] each row's position of the step's root (the newest token before the step).
-    head_logits: [depth, B, V] (or over the draft vocabulary) the heads' draft logits at the
-      newest token, in steps that ran the heads (drafting steps of a plan whose drafters read
-      them); None in steps that did not (one-token steps): keep the old drafts then.
+    head_drafts: the heads' drafts below the newest token (`heads.TreeDrafts` [B, M] of the
+      heads drafter's `head_nodes`), in steps that ran the heads (drafting steps of a plan
+      whose drafters read them); None in steps that did not (one-token steps): keep the old
+      drafts then.
   """
   emitted: Array
   num_emitted: Array
   lengths: Array
-  head_logits: Array | None = None
+  head_drafts: heads_lib.TreeDrafts | None = None
 
   @property
   def newest(self) -> Array:
@@ -98,9 +102,14 @@ class Drafter:
   """The protocol (see the module docstring). Subclasses are frozen dataclasses."""
 
   @property
+  def head_nodes(self) -> trees_lib.Tree | None:
+    """The static tree whose every node the MTP heads draft for it (None: it reads no heads)."""
+    return None
+
+  @property
   def head_depth(self) -> int:
     """MTP heads this drafter reads (0: none)."""
-    return 0
+    return 0 if self.head_nodes is None else self.head_nodes.max_depth
 
   @property
   def vocab_size(self) -> int:

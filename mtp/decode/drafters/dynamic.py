@@ -1,7 +1,9 @@
 """The model's MTP heads draft a dynamic tree (EAGLE-2): each step and row, the `budget` nodes
 of a larger superset whose drafts the heads themselves find most probable
-(`dynamic_trees.select`). The block keeps a fixed size, so shapes stay static; which nodes it
-holds, and so their parents and attention mask, is per-row state (`row_trees`).
+(`dynamic_trees.select`), by the path scores of their drafts of every superset node
+(`MTPModel.draft_tree`: per node for EAGLE, by depth for the other families). The block
+keeps a fixed size, so shapes stay static; which nodes it holds, and so their parents and
+attention mask, is per-row state (`row_trees`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 from mtp.decode import drafters
 from mtp.decode import dynamic_trees
 from mtp.decode import trees as trees_lib
-from mtp.decode.drafters import heads
+from mtp.model import heads as heads_lib
 
 Array = jax.Array
 
@@ -44,8 +46,8 @@ class DynamicHeadsDrafter(drafters.Drafter):
         (rank,) for rank in range(1, self.budget - depth)])
 
   @property
-  def head_depth(self) -> int:
-    return self.superset.head_depth
+  def head_nodes(self) -> trees_lib.Tree:
+    return self.superset
 
   @property
   def vocab_size(self) -> int:
@@ -55,23 +57,20 @@ class DynamicHeadsDrafter(drafters.Drafter):
   def dynamic(self) -> bool:
     return True
 
-  def _choose(self, head_logits: Array, ids: Array | None) -> State:
-    ranks = max(self.superset.topk_per_depth)
-    values = jax.lax.top_k(head_logits, ranks)[0]  # [depth, B, R]
-    log_probs = values - jax.nn.logsumexp(head_logits, axis=-1, keepdims=True)
-    top = heads.candidates(head_logits, ids, ranks)
-    nodes = trees_lib.draft_tokens_for_tree(self.superset, top)
-    chosen = dynamic_trees.select(self.superset, jnp.transpose(log_probs, (1, 0, 2)),
-                                  self.budget)
-    return State(drafts=jnp.take_along_axis(nodes, chosen, axis=1)[:, 1:], nodes=chosen)
+  def _choose(self, head_drafts: heads_lib.TreeDrafts) -> State:
+    chosen = dynamic_trees.select(head_drafts.scores, self.budget)
+    return State(drafts=jnp.take_along_axis(head_drafts.tokens, chosen, axis=1)[:, 1:],
+                 nodes=chosen)
 
   def start(self, prefilled: drafters.Prefilled, data) -> State:
-    return self._choose(prefilled.head_logits, data)
+    del data
+    return self._choose(prefilled.head_drafts)
 
   def update(self, state: State, accepted: drafters.Accepted, data) -> State:
-    if accepted.head_logits is None:
+    del data
+    if accepted.head_drafts is None:
       return state
-    return self._choose(accepted.head_logits, data)
+    return self._choose(accepted.head_drafts)
 
   def drafts(self, state: State) -> Array:
     return state.drafts

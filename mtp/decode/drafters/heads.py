@@ -1,12 +1,13 @@
 """The model's MTP heads draft a static tree: a chain of every head's top-1, or Medusa-style
 rank paths (`trees.py`).
 
-The loop runs the heads after each verification, at the newest accepted token
-(`MTPModel.draft_logits`, whatever the head family), and hands their logits [depth, B, V] to
-`update`; node n then holds head depth(n)'s rank(n) candidate. With a draft vocabulary
+The loop runs the heads after each verification, at the newest accepted token, and hands
+`update` their drafts of every node of the tree (`MTPModel.draft_tree`, whatever the head
+family): node n holds the rank(n)-th candidate of the distribution drafted at its parent, by
+depth for most families, along the node's own path for EAGLE. With a draft vocabulary
 (FR-Spec, `draft_vocab.py`) the heads project onto its N ids only, a cheaper step; their
-drafts are mapped back to token ids, and verification reads the whole vocabulary, so output
-is unchanged. After a one-token step the heads did not run: the old drafts stay (they are only
+drafts are token ids all the same, and verification reads the whole vocabulary, so output is
+unchanged. After a one-token step the heads did not run: the old drafts stay (they are only
 proposals; verification keeps decoding exact).
 """
 
@@ -16,9 +17,7 @@ import dataclasses
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 
-from mtp.decode import draft_vocab as draft_vocab_lib
 from mtp.decode import drafters
 from mtp.decode import trees as trees_lib
 
@@ -29,16 +28,6 @@ Array = jax.Array
 class State:
   """drafts: [B, N - 1] the tree's nodes' tokens, root excluded."""
   drafts: Array
-
-
-def candidates(head_logits: Array, ids: Array | None, ranks: int) -> Array:
-  """[depth, B, V or M] head logits -> [B, depth, ranks] each head's top token ids, best first
-  (`ids`: the draft vocabulary's ids the logits are over, or None)."""
-  if ranks == 1:
-    top = jnp.argmax(head_logits, axis=-1)[..., None]
-  else:
-    top = jax.lax.top_k(head_logits, ranks)[1]
-  return jnp.transpose(draft_vocab_lib.to_full_ids(top, ids), (1, 0, 2)).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,24 +41,22 @@ class HeadsDrafter(drafters.Drafter):
     return self.heads_tree
 
   @property
-  def head_depth(self) -> int:
-    return self.heads_tree.head_depth
+  def head_nodes(self) -> trees_lib.Tree:
+    return self.heads_tree
 
   @property
   def vocab_size(self) -> int:
     return self.draft_vocab
 
-  def _layout(self, head_logits: Array, ids: Array | None) -> Array:
-    top = candidates(head_logits, ids, max(self.heads_tree.topk_per_depth))
-    return trees_lib.draft_tokens_for_tree(self.heads_tree, top)[:, 1:]
-
   def start(self, prefilled: drafters.Prefilled, data) -> State:
-    return State(drafts=self._layout(prefilled.head_logits, data))
+    del data
+    return State(drafts=prefilled.head_drafts.tokens[:, 1:])
 
   def update(self, state: State, accepted: drafters.Accepted, data) -> State:
-    if accepted.head_logits is None:
+    del data
+    if accepted.head_drafts is None:
       return state
-    return State(drafts=self._layout(accepted.head_logits, data))
+    return State(drafts=accepted.head_drafts.tokens[:, 1:])
 
   def drafts(self, state: State) -> Array:
     return state.drafts

@@ -26,6 +26,9 @@ A family is an `nnx.Module` subclass of `HeadFamily` that owns:
   * its drafting step (`draft`): from the features along a run of accepted tokens, the draft
     logits [depth, B, V] at the run's last accepted token (or [depth, B, N] over a draft
     vocabulary's N ids, FR-Spec, when given one: project through `DraftProjection`);
+  * optionally its tree drafting (`draft_tree`): every node's draft of a static tree below
+    that token (`tree_drafts`). The default reads `draft`'s logits by depth; EAGLE drafts each
+    node's children from the node's own path (EAGLE-2);
   * an optional feature-regression loss beside the token loss (`feature_loss_weight`);
   * the FLOPs of its training forward (`train_flops`), from which `mtp.train.flops` reports
     a run's TFLOP/s and MFU;
@@ -57,7 +60,9 @@ from flax import nnx
 from mtp.model import flops
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
+from mtp.model.heads import tree_drafts
 from mtp.model.heads.legacy import is_legacy_tree, upgrade_legacy_tree  # noqa: F401  (the API)
+from mtp.model.heads.tree_drafts import TreeDrafts  # noqa: F401  (the API)
 
 Array = jax.Array
 
@@ -311,6 +316,35 @@ class HeadFamily(nnx.Module):
       (float32 logits [depth, B, V] of heads 1..depth, or [depth, B, N] over `vocab`, cache).
     """
     raise NotImplementedError
+
+  def draft_tree(self, trunk: transformer.Transformer, features: Any, tokens: Array,
+                 last_index: Array, cache: kv_cache_lib.KVCache, lengths: Array, tree: Any,
+                 first_layer: int, vocab: Array | None = None,
+                 mask: Callable[[Array], Array] | None = None
+                 ) -> tuple[tree_drafts.TreeDrafts, kv_cache_lib.KVCache]:
+    """Every node's draft of a static tree below the last accepted token (`tree_drafts`).
+
+    By default by depth: `draft`'s logits along the top-1 chain, head d's top candidates for
+    every node at depth d (`tree_drafts.by_depth`). A family whose drafter reads the tokens
+    drafted above it (EAGLE) may instead draft each node's children from that node's own path.
+
+    Args:
+      trunk, features, tokens, last_index, cache, lengths, first_layer, vocab: as `draft`'s;
+        `tokens` has tree.max_depth scratch columns.
+      tree: the static tree (`mtp.decode.trees.Tree`), root = the last accepted token; no
+        deeper than the heads.
+      mask: maps draft logits [..., N] to the same with ids never emitted at -inf (None: all
+        may be).
+
+    Returns:
+      (`TreeDrafts` [B, M], cache).
+    """
+    extra = {} if vocab is None else {'vocab': vocab}
+    logits, cache = self.draft(trunk, features, tokens, last_index, cache, lengths,
+                               tree.max_depth, first_layer, **extra)
+    if mask is not None:
+      logits = mask(logits)
+    return tree_drafts.by_depth(tree, logits, DraftProjection(trunk, vocab).token_ids), cache
 
   def hf_export(self, context: HFExportContext) -> HFExport | None:
     """The heads in a serving system's format, beside a Hugging Face Llama export of the trunk.

@@ -107,6 +107,7 @@ from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 from mtp.model.heads import sequential
+from mtp.model.heads import tree_drafts
 
 Array = jax.Array
 
@@ -152,9 +153,11 @@ class EagleLayer(nnx.Module):
     self.mlp_norm = transformer.rms_norm(cfg, rngs=rngs)
     self.mlp = transformer.MLP(cfg, rngs=rngs)
 
-  def __call__(self, x: Array, positions: Array, mask: Array, cache=None, lengths=None):
-    """x [B, T, D] -> (x [B, T, D], updated (keys, values) or None); see `Attention`."""
-    attended, cache = self.attn(x, positions, mask, cache, lengths)
+  def __call__(self, x: Array, positions: Array, mask: Array, cache=None, lengths=None,
+               ancestors=None):
+    """x [B, T, D] -> (x [B, T, D], updated (keys, values) or None); see `Attention` (and
+    for `ancestors`, tree drafting)."""
+    attended, cache = self.attn(x, positions, mask, cache, lengths, ancestors)
     x = x + attended
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -178,13 +181,15 @@ class Eagle3Layer(nnx.Module):
     self.mlp_norm = transformer.rms_norm(cfg, rngs=rngs)
     self.mlp = transformer.MLP(cfg, rngs=rngs)
 
-  def __call__(self, x: Array, positions: Array, mask: Array, cache=None, lengths=None):
+  def __call__(self, x: Array, positions: Array, mask: Array, cache=None, lengths=None,
+               ancestors=None):
     """x [B, T, 2D] = [embedding; feature] -> (h [B, T, D] before any norm, updated (keys,
-    values) or None); see `Attention`. One input, so `transformer.call_block` remats it."""
+    values) or None); see `Attention` (and for `ancestors`, tree drafting). One input, so
+    `transformer.call_block` remats it."""
     embeds, features = jnp.split(x, 2, axis=-1)
     attended, cache = self.attn(
         jnp.concatenate([self.input_norm(embeds), self.hidden_norm(features)], axis=-1),
-        positions, mask, cache, lengths)
+        positions, mask, cache, lengths, ancestors)
     h = features + attended
     return h + self.mlp(self.mlp_norm(h)), cache
 
@@ -413,18 +418,24 @@ class EagleDrafter(heads.HeadFamily):
     del hidden, positions, block_mask, lengths, first_layer, trunk
     return self._first_features(normed, layer_inputs), cache
 
+  def _draft_root(self, trunk, features, tokens, last_index, cache, lengths, first_layer):
+    """Depth 1 over the accepted run: (the feature h [B, D] at the last accepted token, the
+    drafter's cache layer with the run's entries written)."""
+    t = features.shape[1]
+    # Slot s reads f_s and x_{s+1} (scratch past last_index + 1, and overwritten by the deeper
+    # depths or the next draft).
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    x = self._input(trunk.embed(tokens[:, 1:1 + t]), features)
+    h, layer_cache = self.layers[0](x, positions, heads.causal_mask(t),
+                                    heads.layer_cache(cache, first_layer), lengths)
+    return kv_cache_lib.gather_rows(h, last_index), layer_cache
+
   def draft(self, trunk, features, tokens, last_index, cache, lengths, depth, first_layer,
             vocab=None):
     project = heads.DraftProjection(trunk, vocab)
-    t = features.shape[1]
     layer = self.layers[0]
-    # Depth 1 over the run: slot s reads f_s and x_{s+1} (scratch past last_index + 1, and
-    # overwritten by the deeper depths or the next draft).
-    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    mask = heads.causal_mask(t)
-    x = self._input(trunk.embed(tokens[:, 1:1 + t]), features)
-    h, layer_cache = layer(x, positions, mask, heads.layer_cache(cache, first_layer), lengths)
-    feature = kv_cache_lib.gather_rows(h, last_index)  # [B, D]
+    feature, layer_cache = self._draft_root(trunk, features, tokens, last_index, cache, lengths,
+                                            first_layer)
     logits = [project.logits(self._output(feature))]
     slot = lengths + last_index
     for _ in range(1, depth):
@@ -437,6 +448,52 @@ class EagleDrafter(heads.HeadFamily):
       feature = h[:, 0]
       logits.append(project.logits(self._output(feature)))
     return jnp.stack(logits), transformer.replace_layers(cache, first_layer, [layer_cache])
+
+  def draft_tree(self, trunk, features, tokens, last_index, cache, lengths, tree, first_layer,
+                 vocab=None, mask=None):
+    """EAGLE-2's tree drafting: each expanded node's children come from the drafter run at
+    that node, on its own path. Depth by depth, the layer runs once over every node of the
+    depth that has children: node n at depth d reads [embed(token_n); h_parent(n)] at position
+    root + d and attends to the committed slots (the run's, through the root) and then to its
+    own ancestors' entries and its own, kept beside the cache (`Attention`'s `ancestors`), so
+    nothing is written past the run. A chain is the top-1 path of `draft`, which it uses."""
+    if tree.is_chain:
+      return super().draft_tree(trunk, features, tokens, last_index, cache, lengths, tree,
+                                first_layer, vocab=vocab, mask=mask)
+    project = heads.DraftProjection(trunk, vocab)
+    mask = mask or (lambda logits: logits)
+    layer = self.layers[0]
+    root, layer_cache = self._draft_root(trunk, features, tokens, last_index, cache, lengths,
+                                         first_layer)
+    b, m = root.shape[0], tree.num_nodes
+    drafts = tree_drafts.assign_children(
+        tree, tree_drafts.empty(tree, b), [0],
+        mask(project.logits(self._output(root)))[:, None], project.token_ids)
+    # Every expanded node's output and its own (rotated) key and value, by node index.
+    hidden = jnp.zeros((b, m) + root.shape[1:], root.dtype).at[:, 0].set(root)
+    entries = None
+    committed = lengths + last_index + 1  # The slots through the root's.
+    for d in range(1, tree.max_depth):
+      nodes = tree_drafts.expanded_nodes(tree, d)
+      if not nodes.size:
+        continue
+      x = self._input(trunk.embed(drafts.tokens[:, nodes]), hidden[:, tree.parent[nodes]])
+      path = tree.node_paths[nodes][:, 1:d]  # [P, d - 1]: the ancestors below the root.
+      if entries is None:
+        kv_shape = (b, len(nodes), 0) + layer_cache[0].shape[2:]
+        ancestors = (jnp.zeros(kv_shape, layer_cache[0].dtype),) * 2
+      else:
+        ancestors = tuple(e[:, path] for e in entries)
+      positions = jnp.broadcast_to((committed + d - 1)[:, None], (b, len(nodes)))
+      h, new = layer(x, positions, None, layer_cache, committed, ancestors=ancestors)
+      if entries is None:
+        entries = tuple(jnp.zeros((b, m) + e.shape[2:], e.dtype) for e in new)
+      entries = tuple(e.at[:, nodes].set(n.astype(e.dtype)) for e, n in zip(entries, new))
+      hidden = hidden.at[:, nodes].set(h)
+      drafts = tree_drafts.assign_children(tree, drafts, nodes,
+                                           mask(project.logits(self._output(h))),
+                                           project.token_ids)
+    return drafts, transformer.replace_layers(cache, first_layer, [layer_cache])
 
   def hf_export(self, context: heads.HFExportContext) -> heads.HFExport:
     """vLLM's EAGLE-1 Llama drafter in `eagle/`, or its EAGLE-3 one in `eagle3/` (see the
