@@ -116,13 +116,13 @@ def _head_drafts(model, plan, vocab, features, tokens: Array, last_index: Array,
   """The heads' drafts of every node of the heads drafter's tree (`heads.TreeDrafts` [B, M])
   below each row's last accepted token, over emittable ids only, and the cache (heads that
   attend write their layers)."""
-  tree = plan.drafters[plan.heads_drafter].head_nodes
-  tokens = jnp.pad(tokens, ((0, 0), (0, tree.max_depth)))  # Scratch for the heads' drafts.
+  drafter = plan.drafters[plan.heads_drafter]
+  tokens = jnp.pad(tokens, ((0, 0), (0, drafter.head_depth)))  # Scratch for their drafts.
   mask = functools.partial(_mask, plan) if vocab is None else functools.partial(
       draft_vocab_lib.mask_ids, ids=vocab.ids, vocab_limit=plan.vocab_limit,
       banned_ids=plan.banned_ids)
-  return model.draft_tree(features, tokens, last_index, cache, lengths, tree, vocab=vocab,
-                          mask=mask)
+  return model.draft_tree(features, tokens, last_index, cache, lengths, drafter.head_nodes,
+                          vocab=vocab, mask=mask, budget=drafter.head_budget)
 
 
 def _logprobs(plan, logits: Array, tokens: Array) -> Logprobs:

@@ -103,10 +103,10 @@ class RowMapped:
     return jnp.swapaxes(logits, 0, 1), new_cache
 
   def draft_tree(self, features, tokens, last_index, cache, lengths, tree, vocab=None,
-                 mask=None):
+                 mask=None, budget=None):
     def call(r, row_cache):
       return self._model.draft_tree(r['features'], r['tokens'], r['last_index'], row_cache,
-                                    r['lengths'], tree, vocab=vocab, mask=mask)
+                                    r['lengths'], tree, vocab=vocab, mask=mask, budget=budget)
 
     rows = dict(features=features, tokens=tokens, last_index=last_index, lengths=lengths)
     return self._map(call, rows, cache)

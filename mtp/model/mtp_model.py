@@ -294,7 +294,7 @@ class MTPModel(nnx.Module):
 
   def draft_tree(self, features, tokens: Array, last_index: Array,
                  cache: kv_cache_lib.KVCache, lengths: Array, tree,
-                 vocab: Array | None = None, mask=None
+                 vocab: Array | None = None, mask=None, budget: int | None = None
                  ) -> tuple[heads_lib.TreeDrafts, kv_cache_lib.KVCache]:
     """The heads' drafts for every node of a static tree below the last accepted token.
 
@@ -303,9 +303,11 @@ class MTPModel(nnx.Module):
         tree.max_depth scratch columns).
       tree: a static tree (`mtp.decode.trees.Tree`) no deeper than the heads.
       mask: maps draft logits [..., V or N] to the same with ids never emitted at -inf.
+      budget: at most this many nodes (root included) will be chosen by score; None: all.
 
     Returns:
       (`heads.TreeDrafts`: tokens and path scores [B, M], cache).
     """
     return self.heads.draft_tree(self.trunk, features, tokens, last_index, cache, lengths,
-                                 tree, self.cfg.trunk.num_layers, vocab=vocab, mask=mask)
+                                 tree, self.cfg.trunk.num_layers, vocab=vocab, mask=mask,
+                                 budget=budget)

@@ -107,6 +107,13 @@ class Drafter:
     return None
 
   @property
+  def head_budget(self) -> int | None:
+    """Of `head_nodes`, the most it verifies per step, root included, chosen by the heads'
+    scores (a dynamic tree's budget); None: every node. The heads may skip drafting nodes
+    that cannot be among them."""
+    return None
+
+  @property
   def head_depth(self) -> int:
     """MTP heads this drafter reads (0: none)."""
     return 0 if self.head_nodes is None else self.head_nodes.max_depth

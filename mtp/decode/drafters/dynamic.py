@@ -50,6 +50,10 @@ class DynamicHeadsDrafter(drafters.Drafter):
     return self.superset
 
   @property
+  def head_budget(self) -> int:
+    return self.budget
+
+  @property
   def vocab_size(self) -> int:
     return self.draft_vocab
 

@@ -320,7 +320,7 @@ class HeadFamily(nnx.Module):
   def draft_tree(self, trunk: transformer.Transformer, features: Any, tokens: Array,
                  last_index: Array, cache: kv_cache_lib.KVCache, lengths: Array, tree: Any,
                  first_layer: int, vocab: Array | None = None,
-                 mask: Callable[[Array], Array] | None = None
+                 mask: Callable[[Array], Array] | None = None, budget: int | None = None
                  ) -> tuple[tree_drafts.TreeDrafts, kv_cache_lib.KVCache]:
     """Every node's draft of a static tree below the last accepted token (`tree_drafts`).
 
@@ -335,10 +335,14 @@ class HeadFamily(nnx.Module):
         deeper than the heads.
       mask: maps draft logits [..., N] to the same with ids never emitted at -inf (None: all
         may be).
+      budget: the caller chooses at most this many nodes, root included, by score
+        (`dynamic_trees.select`; None: it reads every node). A node that cannot be among them
+        may be left undrafted (score -inf), so may its descendants.
 
     Returns:
       (`TreeDrafts` [B, M], cache).
     """
+    del budget  # Drafting by depth costs the same for every node.
     extra = {} if vocab is None else {'vocab': vocab}
     logits, cache = self.draft(trunk, features, tokens, last_index, cache, lengths,
                                tree.max_depth, first_layer, **extra)

@@ -450,13 +450,19 @@ class EagleDrafter(heads.HeadFamily):
     return jnp.stack(logits), transformer.replace_layers(cache, first_layer, [layer_cache])
 
   def draft_tree(self, trunk, features, tokens, last_index, cache, lengths, tree, first_layer,
-                 vocab=None, mask=None):
+                 vocab=None, mask=None, budget=None):
     """EAGLE-2's tree drafting: each expanded node's children come from the drafter run at
-    that node, on its own path. Depth by depth, the layer runs once over every node of the
-    depth that has children: node n at depth d reads [embed(token_n); h_parent(n)] at position
-    root + d and attends to the committed slots (the run's, through the root) and then to its
-    own ancestors' entries and its own, kept beside the cache (`Attention`'s `ancestors`), so
-    nothing is written past the run. A chain is the top-1 path of `draft`, which it uses."""
+    that node, on its own path.
+
+    Depth by depth, the layer runs once over the nodes of the depth that have children: node
+    n at depth d reads [embed(token_n); h_parent(n)] at position root + d and attends to the
+    committed slots (the run's, through the root) and then to its own ancestors' entries and
+    its own, kept beside the cache (`Attention`'s `ancestors`), so nothing is written past the
+    run. With a `budget` (EAGLE-2's beam), only each row's best budget - 1 of them by score
+    are expanded: a node outside them is outside the best budget - 1 of all nodes, and so are
+    its descendants (they score less), so the best budget nodes are those of expanding every
+    node. A chain is the top-1 path of `draft`, which it uses.
+    """
     if tree.is_chain:
       return super().draft_tree(trunk, features, tokens, last_index, cache, lengths, tree,
                                 first_layer, vocab=vocab, mask=mask)
@@ -466,30 +472,39 @@ class EagleDrafter(heads.HeadFamily):
     root, layer_cache = self._draft_root(trunk, features, tokens, last_index, cache, lengths,
                                          first_layer)
     b, m = root.shape[0], tree.num_nodes
+    rows = jnp.arange(b)[:, None]
     drafts = tree_drafts.assign_children(
-        tree, tree_drafts.empty(tree, b), [0],
+        tree, tree_drafts.empty(tree, b), np.zeros(1, np.int32),
         mask(project.logits(self._output(root)))[:, None], project.token_ids)
     # Every expanded node's output and its own (rotated) key and value, by node index.
     hidden = jnp.zeros((b, m) + root.shape[1:], root.dtype).at[:, 0].set(root)
     entries = None
     committed = lengths + last_index + 1  # The slots through the root's.
     for d in range(1, tree.max_depth):
-      nodes = tree_drafts.expanded_nodes(tree, d)
-      if not nodes.size:
+      candidates = tree_drafts.expanded_nodes(tree, d)
+      width = min(len(candidates), budget - 1 if budget else len(candidates))
+      if not width:
         continue
-      x = self._input(trunk.embed(drafts.tokens[:, nodes]), hidden[:, tree.parent[nodes]])
-      path = tree.node_paths[nodes][:, 1:d]  # [P, d - 1]: the ancestors below the root.
-      if entries is None:
-        kv_shape = (b, len(nodes), 0) + layer_cache[0].shape[2:]
-        ancestors = (jnp.zeros(kv_shape, layer_cache[0].dtype),) * 2
+      if width < len(candidates):  # Each row's best `width` by score.
+        best = jax.lax.top_k(drafts.scores[:, candidates], width)[1]
+        nodes = jnp.asarray(candidates, jnp.int32)[best]  # [B, W]
       else:
-        ancestors = tuple(e[:, path] for e in entries)
-      positions = jnp.broadcast_to((committed + d - 1)[:, None], (b, len(nodes)))
+        nodes = jnp.broadcast_to(jnp.asarray(candidates, jnp.int32), (b, width))
+      parent = jnp.asarray(tree.parent)[nodes]
+      x = self._input(trunk.embed(jnp.take_along_axis(drafts.tokens, nodes, axis=1)),
+                      hidden[rows, parent])
+      if entries is None:
+        kv_shape = (b, width, 0) + layer_cache[0].shape[2:]
+        ancestors = (jnp.zeros(kv_shape, layer_cache[0].dtype),) * 2
+      else:  # [B, W, d - 1, G, H]: the entries of each node's ancestors below the root.
+        path = jnp.asarray(tree.node_paths)[nodes][:, :, 1:d]
+        ancestors = tuple(e[rows[:, :, None], path] for e in entries)
+      positions = jnp.broadcast_to((committed + d - 1)[:, None], (b, width))
       h, new = layer(x, positions, None, layer_cache, committed, ancestors=ancestors)
       if entries is None:
         entries = tuple(jnp.zeros((b, m) + e.shape[2:], e.dtype) for e in new)
-      entries = tuple(e.at[:, nodes].set(n.astype(e.dtype)) for e, n in zip(entries, new))
-      hidden = hidden.at[:, nodes].set(h)
+      entries = tuple(e.at[rows, nodes].set(n.astype(e.dtype)) for e, n in zip(entries, new))
+      hidden = hidden.at[rows, nodes].set(h)
       drafts = tree_drafts.assign_children(tree, drafts, nodes,
                                            mask(project.logits(self._output(h))),
                                            project.token_ids)

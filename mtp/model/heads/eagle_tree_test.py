@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp.decode import dynamic_trees
 from mtp.decode import testing as decode_testing
 from mtp.decode import trees
 from mtp.model import testing
@@ -111,3 +112,22 @@ def test_expanded_nodes_are_those_with_children():
   assert [TREE.choices[n - 1] for n in tree_drafts.expanded_nodes(TREE, 2)] == [
       (0, 0), (0, 1), (1, 0), (2, 0)]
   assert not tree_drafts.expanded_nodes(TREE, 3).size
+
+
+@pytest.mark.parametrize('budget', [3, 5, 8])
+def test_a_budget_expands_each_rows_best_nodes_and_chooses_as_expanding_all(budget):
+  """EAGLE-2's beam: with a budget of N nodes only each depth's best N - 1 expanded nodes run
+  the layer; the best N nodes and their drafts are those of expanding every node."""
+  model = decode_testing.head_model('eagle3', mtp_num_heads=K)
+  tokens = testing.random_tokens((3, 8), VOCAB, seed=6)
+  last = np.array([6, 3, 0])
+  full = _drafts(model, tokens, last, TREE)
+  pruned = _drafts(model, tokens, last, TREE, budget=budget)
+  chosen = dynamic_trees.select(pruned.scores, budget)
+  np.testing.assert_array_equal(chosen, dynamic_trees.select(full.scores, budget))
+  for name in ('tokens', 'scores'):
+    np.testing.assert_allclose(np.take_along_axis(getattr(pruned, name), chosen, axis=1),
+                               np.take_along_axis(getattr(full, name), chosen, axis=1),
+                               atol=1e-5, err_msg=name)
+  if budget - 1 < len(tree_drafts.expanded_nodes(TREE, 2)):  # Some were left undrafted.
+    assert np.any(np.isneginf(pruned.scores))

@@ -19,7 +19,7 @@ depth, rank, max_depth); the model never imports the decoder.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import flax.struct
 import jax
@@ -44,9 +44,10 @@ class TreeDrafts:
 
 
 def empty(tree, batch_size: int) -> TreeDrafts:
-  """All-zero drafts of `tree` (a loop carry before the first drafts)."""
-  zeros = jnp.zeros((batch_size, tree.num_nodes), jnp.int32)
-  return TreeDrafts(tokens=zeros, scores=zeros.astype(jnp.float32))
+  """No drafts yet: tokens 0, scores -inf but the root's 0 (a node never drafted is never
+  chosen)."""
+  scores = jnp.full((batch_size, tree.num_nodes), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
+  return TreeDrafts(tokens=jnp.zeros((batch_size, tree.num_nodes), jnp.int32), scores=scores)
 
 
 def expanded_nodes(tree, depth: int) -> np.ndarray:
@@ -55,14 +56,14 @@ def expanded_nodes(tree, depth: int) -> np.ndarray:
   return np.nonzero((tree.depth == depth) & has_children)[0]
 
 
-def assign_children(tree, drafts: TreeDrafts, parents: Sequence[int], logits: Array,
+def assign_children(tree, drafts: TreeDrafts, parents, logits: Array,
                     token_ids: Callable[[Array], Array]) -> TreeDrafts:
   """Fills in the children of `parents` from the distributions drafted at them.
 
   Args:
     tree: the static tree.
     drafts: the drafts so far; the parents' scores are final.
-    parents: P static node indices.
+    parents: P node indices, static [P] or per row [B, P].
     logits: [B, P, N] float32 the distribution drafted at each parent (ids never emitted at
       -inf), over N token ids or a draft vocabulary's N ids; or [B, 1, N], one distribution
       every parent reads.
@@ -72,21 +73,25 @@ def assign_children(tree, drafts: TreeDrafts, parents: Sequence[int], logits: Ar
     `drafts` with every child c of parent p holding p's rank(c)-th candidate and score
     score(p) + log q_p(candidate).
   """
-  column = {int(p): i for i, p in enumerate(parents)}
-  children = np.array([c for c in range(1, tree.num_nodes) if int(tree.parent[c]) in column],
-                      np.int64)
-  if not children.size:
-    return drafts
-  rank = tree.rank[children]
-  values, index = jax.lax.top_k(logits, int(np.max(rank)) + 1)  # [B, P, R]
+  b, m = drafts.tokens.shape
+  parents = jnp.asarray(parents, jnp.int32)
+  parents = jnp.broadcast_to(parents, (b,) + parents.shape[-1:])
+  children = jnp.asarray(tree.children)[parents]  # [B, P, C], -1: none.
+  # The rank of each child (a missing child reads the appended 0 and is dropped below).
+  rank = jnp.asarray(np.append(tree.rank, 0).astype(np.int32))[children]
+  values, index = jax.lax.top_k(logits, int(np.max(tree.rank)) + 1)  # [B, P or 1, R]
   # Rounding never lifts a child above its parent (the selection relies on it).
   log_q = jnp.minimum(values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), 0.0)
-  slot = np.array([column[int(tree.parent[c])] for c in children]) if logits.shape[1] > 1 else (
-      np.zeros(children.shape, np.int64))
-  tokens = token_ids(index[:, slot, rank]).astype(jnp.int32)  # [B, C]
-  scores = drafts.scores[:, tree.parent[children]] + log_q[:, slot, rank]
-  return TreeDrafts(tokens=drafts.tokens.at[:, children].set(tokens),
-                    scores=drafts.scores.at[:, children].set(scores.astype(jnp.float32)))
+  shape = parents.shape + values.shape[-1:]
+  index, log_q = jnp.broadcast_to(index, shape), jnp.broadcast_to(log_q, shape)
+  tokens = token_ids(jnp.take_along_axis(index, rank, axis=2)).astype(jnp.int32)
+  parent_scores = jnp.take_along_axis(drafts.scores, parents, axis=1)[:, :, None]
+  scores = parent_scores + jnp.take_along_axis(log_q, rank, axis=2)
+  rows = jnp.arange(b)[:, None, None]
+  target = jnp.where(children >= 0, children, m)  # Out of range: dropped.
+  return TreeDrafts(
+      tokens=drafts.tokens.at[rows, target].set(tokens, mode='drop'),
+      scores=drafts.scores.at[rows, target].set(scores.astype(jnp.float32), mode='drop'))
 
 
 def by_depth(tree, logits: Array, token_ids: Callable[[Array], Array]) -> TreeDrafts:
