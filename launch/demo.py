@@ -9,11 +9,11 @@ base (configs/smollm2_demo.py). With `--config=configs/code_small.py
 jointly on the standard library. Either way it prints the learning curve, the next-token and
 per-head accuracy on held-out code (installed packages outside the standard library, never
 trained on), writes learning_curve.png into the workdir, then completes held-out code and
-prose prompts greedily at batch 1 with each decoder (autoregressive, speculative, and 'auto',
-the default, which adds prompt-lookup drafts where the text repeats and stops each kind of
-drafting where it does not pay) and prints the tokens/s of each, the speedup, the tokens per
-step, a completion, and whether the outputs matched token for token (they must: the exit
-status is 1 if not).
+prose prompts greedily at batch 1 with autoregressive decoding and 'auto', the default decoder
+(the heads' tree, prompt-lookup drafts where the text repeats, each kind of drafting stopped
+where it does not pay; `--decoders` adds 'speculative', the heads alone), and prints the
+tokens/s of each, the speedup, the tokens per step, a completion, and whether the outputs
+matched token for token (they must: the exit status is 1 if not).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ flags.DEFINE_integer('heldout_batches', 8, 'Batches of held-out code to evaluate
 flags.DEFINE_integer('decode_prompts', 8, 'Held-out code prompts to decode (0: skip decoding).')
 flags.DEFINE_integer('decode_tokens', 128, 'Tokens to generate per prompt.')
 flags.DEFINE_integer('prompt_chars', 2000, 'Characters per prompt: its first lines of code.')
+flags.DEFINE_list('decoders', ['autoregressive', 'auto'], 'Decoders to compare: '
+                  'autoregressive (the reference, always run), speculative, auto.')
+flags.DEFINE_integer('decode_repeats', 1, 'Timed runs of each decoder (the best is printed).')
 flags.DEFINE_string('decode_tree', None, f'Speculative candidates: {", ".join(trees.NAMES)} or '
                     'JSON rank paths; unset: each decoder\'s own (a chain for speculative, '
                     'auto\'s tree for auto).')
@@ -109,24 +112,37 @@ def heldout_prompts(loaded, kind: str, num_prompts: int, max_new_tokens: int,
   return heldout.of_kind(kind, loaded.tokenizer, num_prompts, 128)
 
 
+def check_decoders(decoders, repeats: int) -> None:
+  """ValueError naming a bad --decoders name or --decode_repeats (before any training)."""
+  unknown = sorted(set(decoders) - {'autoregressive', 'speculative', 'auto'})
+  if unknown:
+    raise ValueError(f'--decoders takes autoregressive, speculative and auto, got {unknown}')
+  if repeats < 1:
+    raise ValueError(f'--decode_repeats must be at least 1, got {repeats}')
+
+
 def compare_decoders(loaded, kind: str, num_prompts: int, max_new_tokens: int, tree,
-                     prompt_chars: int) -> bool:
+                     prompt_chars: int, decoders=('autoregressive', 'auto'),
+                     repeats: int = 1) -> bool:
   """Greedy batch-1 decoding of held-out prompts with each decoder; True if outputs matched.
 
   'auto' (the default of `mtp.generate`) drafts like 'speculative' (with `tree` None, the tree
   'auto' builds where it can measure the heads), adds prompt-lookup drafts where the text
-  repeats, and stops each kind of drafting where it does not pay (`mtp.decode.auto`); both
-  must give the autoregressive tokens exactly.
+  repeats, and stops each kind of drafting where it does not pay (`mtp.decode.auto`); every
+  decoder must give the autoregressive tokens exactly. Each runs `repeats` times, taking turns,
+  and the best run is printed (compilation excluded).
   """
+  check_decoders(decoders, repeats)
   import mtp
 
   prompts = heldout_prompts(loaded, kind, num_prompts, max_new_tokens, prompt_chars)
   mean_tokens = sum(len(loaded.tokenizer.encode(p)) for p in prompts) / len(prompts)
   print(f'\n== Decoding {len(prompts)} held-out {kind} prompts ({mean_tokens:.0f} tokens on '
         f'average) greedily at batch 1, {max_new_tokens} new tokens each (compilation '
-        'excluded; best of 2 runs):')
-  runs = {'autoregressive': [], 'speculative': [], 'auto': []}
-  for _ in range(2):  # Alternate, so that load from other processes hits all alike.
+        f'excluded{f"; best of {repeats} runs" if repeats > 1 else ""}):')
+  runs = {d: [] for d in ('autoregressive', 'speculative', 'auto')
+          if d == 'autoregressive' or d in decoders}
+  for _ in range(repeats):  # Alternate, so that load from other processes hits all alike.
     for decoder in runs:
       runs[decoder].append(mtp.generate(
           loaded, prompts, max_new_tokens=max_new_tokens, decoder=decoder, batch_size=1,
@@ -138,7 +154,7 @@ def compare_decoders(loaded, kind: str, num_prompts: int, max_new_tokens: int, t
   reference = runs['autoregressive'][0]
   print(f'  {"autoregressive":<15} {speed["autoregressive"]:7.1f} tokens/s')
   all_matched = True
-  for decoder in ('speculative', 'auto'):
+  for decoder in [d for d in runs if d != 'autoregressive']:
     gens = runs[decoder][0]
     steps = sum(g.num_steps for g in gens)
     emitted = sum(sum(j * c for j, c in enumerate(g.accepted_histogram)) for g in gens)
@@ -148,7 +164,7 @@ def compare_decoders(loaded, kind: str, num_prompts: int, max_new_tokens: int, t
           f'{speed[decoder] / speed["autoregressive"]:.2f}x, '
           f'{emitted / max(steps, 1):.2f} tokens per step, outputs matched: '
           f'{"yes" if all(matched) else "NO"} ({sum(matched)}/{len(matched)} prompts)')
-  sample = runs['auto'][0][0]
+  sample = runs[list(runs)[-1]][0][0]
   completion = ''.join(sample.completion.splitlines(True)[:12])  # A glimpse, not a page.
   print(f'\n  Sample (the prompt\'s last lines, then the completion after >>>):\n'
         f'{"".join(sample.prompt.splitlines(True)[-4:])}>>>{completion}')
@@ -170,6 +186,7 @@ def main(argv):
   from mtp.train import preemption
   try:
     with cli.UserErrors(PROGRAM):  # One line and the launchers' codes, as launch.train.
+      check_decoders(FLAGS.decoders, FLAGS.decode_repeats)
       if config.init_from:
         import_base(pathlib.Path(config.init_from), FLAGS.base)
         print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads '
@@ -204,10 +221,11 @@ def main(argv):
           f'(teacher-forced), {1 + heldout["acceptance_proxy"]:.2f} tokens per step')
   if FLAGS.decode_prompts > 0 and num_heads > 0:
     matched = [compare_decoders(loaded, kind, FLAGS.decode_prompts, FLAGS.decode_tokens,
-                                trees.parse(FLAGS.decode_tree), FLAGS.prompt_chars)
+                                trees.parse(FLAGS.decode_tree), FLAGS.prompt_chars,
+                                FLAGS.decoders, FLAGS.decode_repeats)
                for kind in FLAGS.decode_kinds]
     if not all(matched):
-      raise SystemExit('speculative and autoregressive outputs differ')
+      raise SystemExit('a decoder\'s outputs differ from autoregressive decoding\'s')
 
 
 def import_base(base: pathlib.Path, source: str) -> None:

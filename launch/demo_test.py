@@ -37,7 +37,9 @@ def _demo(tmp_path, *flags_):
 
 
 def test_the_demo_runs_end_to_end_on_a_tiny_config(tmp_path):
-  out = _demo(tmp_path, '--decode_kinds=code')
+  out = _demo(tmp_path, '--decode_kinds=code', '--decoders=speculative,auto',
+              '--decode_repeats=2')
+  assert 'best of 2 runs' in out
   for decoder in ('speculative', 'auto'):
     assert re.search(rf'{decoder} .* outputs matched: yes \(2/2 prompts\)', out), out[-2000:]
 
@@ -54,7 +56,9 @@ def test_the_demo_trains_a_drafter_on_a_frozen_base_and_decodes_code_and_prose(t
   assert 'on the frozen trunk of' in out and 'Importing' not in out
   for kind in ('code', 'prose'):
     assert f'held-out {kind} prompts' in out
-  assert len(re.findall(r'outputs matched: yes \(2/2 prompts\)', out)) == 4, out[-2000:]
+  assert len(re.findall(r'outputs matched: yes \(2/2 prompts\)', out)) == 2, out[-2000:]
+  assert re.search(r'auto .* outputs matched', out) and not re.search(r'speculative .* matched',
+                                                                        out)
 
 
 def test_a_missing_base_is_imported_once(tmp_path, monkeypatch):
@@ -91,3 +95,19 @@ def test_a_failed_training_is_one_line_and_the_launchers_exit_code(tmp_path, mon
     assert e.value.code == line
   else:
     assert e.value.code == code and capsys.readouterr().err.strip() == line
+
+
+@pytest.mark.parametrize('flag,message', [
+    ('--decoders=autoregressive,beam', "--decoders takes autoregressive, speculative and auto, "
+     "got ['beam']"),
+    ('--decode_repeats=0', '--decode_repeats must be at least 1, got 0'),
+])
+@flagsaver.flagsaver
+def test_bad_decoding_flags_are_named_before_training(tmp_path, monkeypatch, flag, message):
+  monkeypatch.setattr(trainer, 'train_and_evaluate', lambda *_: pytest.fail('trained'))
+  monkeypatch.delenv('MTP_TRACEBACK', raising=False)
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(['demo', '--config=configs/tiny.py', f'--workdir={tmp_path}', flag])
+  with pytest.raises(SystemExit) as e:
+    demo.main(['demo'])
+  assert e.value.code == f'launch.demo: {message}'

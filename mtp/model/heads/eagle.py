@@ -43,6 +43,12 @@ deeper depth. Those deeper entries sit past the committed length: the next draft
 them. With fused features, `verify` returns g_t for every new token (the trunk hands it the
 layers' inputs), so drafting reads them as it reads f_t.
 
+Trees (`draft_tree`, EAGLE-2). A tree's nodes are drafted node by node: the layer runs again at
+every node that has children, on that node's own path, so each branch gets its own children's
+distribution (a head-per-depth family can only reuse one distribution per depth). Its queries
+see the committed slots, then their ancestors' entries and their own, which stay beside the
+cache; with a dynamic tree's budget only each depth's best nodes by path score run.
+
 Training (`model.eagle_train_features`):
   * 'drafted' (the default): depth k reads the true token x_{t+k} and its own predicted feature
     f'^{k-1}, and attends exactly as in drafting (the depth-1 entries of earlier positions, then
