@@ -390,43 +390,6 @@ def choose_tree_size(accuracies,
   return best
 
 
-def draft_tokens_for_tree(tree: Tree, head_topk_tokens, root_token=None, lookup_tokens=None):
-  """Lays the heads' top-k candidates (and any lookup drafts) out on the tree's nodes.
-
-  Args:
-    tree: the candidate tree.
-    head_topk_tokens: [B, depth, R] int, head_topk_tokens[:, d, r] = rank-r candidate of head
-      d + 1; needs depth >= tree.head_depth and R >= the tree's largest rank + 1.
-    root_token: optional [B] last accepted token for node 0 (zeros otherwise: the caller fills
-      it).
-    lookup_tokens: [B, L] the lookup chain's drafts, root side first; needed iff the tree has
-      one (L = tree.lookup_depth).
-
-  Returns:
-    node_tokens: [B, N]; head node n > 0 holds head_topk_tokens[:, depth[n] - 1, rank[n]],
-    lookup node num_head_nodes + i holds lookup_tokens[:, i].
-  """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel  # The rest is numpy only.
-  b, d, r = head_topk_tokens.shape
-  tree.check_num_heads(d)
-  if tree.topk_per_depth and max(tree.topk_per_depth) > r:
-    raise ValueError(f'tree needs top-{max(tree.topk_per_depth)} candidates, heads provide {r}')
-  if (lookup_tokens is None) != (tree.lookup_depth == 0) or (
-      lookup_tokens is not None and lookup_tokens.shape != (b, tree.lookup_depth)):
-    raise ValueError(f'the tree has {tree.lookup_depth} lookup nodes; lookup_tokens has shape '
-                     f'{None if lookup_tokens is None else lookup_tokens.shape}')
-  # Static numpy indices: a single gather, no per-node work.
-  heads = slice(1, tree.num_head_nodes)
-  parts = [head_topk_tokens[:, tree.depth[heads] - 1, tree.rank[heads]]]
-  if root_token is None:
-    parts.insert(0, jnp.zeros((b, 1), head_topk_tokens.dtype))
-  else:
-    parts.insert(0, jnp.asarray(root_token, head_topk_tokens.dtype).reshape(b, 1))
-  if lookup_tokens is not None:
-    parts.append(jnp.asarray(lookup_tokens, head_topk_tokens.dtype))
-  return jnp.concatenate(parts, axis=1)
-
-
 def parse(value: str | None) -> str | list[tuple[int, ...]] | None:
   """A tree given as text (a flag, a config value): None, a name of `NAMES` or JSON rank paths.
 

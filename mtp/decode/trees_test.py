@@ -183,26 +183,6 @@ def test_choose_tree_size():
     trees.choose_tree_size(acc, cost, [])
 
 
-def test_draft_tokens_for_tree():
-  t = trees.tree_from_choices(EXAMPLE)
-  b, d, r = 3, 3, 2
-  topk = jnp.arange(b * d * r, dtype=jnp.int32).reshape(b, d, r)
-  got = jax.jit(trees.draft_tokens_for_tree, static_argnums=0)(t, topk)
-  assert got.shape == (b, 7) and got.dtype == jnp.int32
-  for n in range(1, 7):
-    np.testing.assert_array_equal(got[:, n], topk[:, t.depth[n] - 1, t.rank[n]])
-  np.testing.assert_array_equal(got[:, 0], 0)
-  root = jnp.array([7, 8, 9])
-  np.testing.assert_array_equal(trees.draft_tokens_for_tree(t, topk, root)[:, 0], root)
-  # More heads and ranks than the tree needs are fine.
-  big = jnp.zeros((b, 5, 4), jnp.int32)
-  assert trees.draft_tokens_for_tree(t, big).shape == (b, 7)
-  with pytest.raises(ValueError, match='heads 2'):
-    trees.draft_tokens_for_tree(t, topk[:, :2])
-  with pytest.raises(ValueError, match='top-2'):
-    trees.draft_tokens_for_tree(t, topk[:, :, :1])
-
-
 def test_a_lookup_chain_hangs_below_the_root_after_the_head_nodes():
   base = trees.tree_from_choices([(0,), (1,), (0, 0)])
   tree = trees.with_lookup(base, 3)
@@ -216,12 +196,6 @@ def test_a_lookup_chain_hangs_below_the_root_after_the_head_nodes():
   assert tree == trees.with_lookup(base, 3) and tree != base and tree != trees.with_lookup(base, 2)
   assert hash(tree) == hash(trees.with_lookup(base, 3))
   tree.check_num_heads(2)  # The lookup chain is deeper than the heads: no heads needed for it.
-  top = jnp.asarray([[[10, 11], [20, 21]]])  # [B=1, D=2, R=2]
-  nodes = trees.draft_tokens_for_tree(tree, top, root_token=jnp.asarray([7]),
-                                      lookup_tokens=jnp.asarray([[30, 31, 32]]))
-  np.testing.assert_array_equal(nodes, [[7, 10, 11, 20, 30, 31, 32]])
-  with pytest.raises(ValueError, match='lookup nodes'):
-    trees.draft_tokens_for_tree(tree, top)
   with pytest.raises(ValueError, match='already has a lookup chain'):
     trees.with_lookup(tree, 1)
   with pytest.raises(ValueError, match='at least one node'):
