@@ -36,8 +36,8 @@ flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines or 
 flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
 flags.DEFINE_string('output', 'results/data_scale.json', 'JSON results.')
 flags.DEFINE_string('plot', 'results/data_scale.png', 'Plot ("" for none).')
-flags.DEFINE_bool('keep_other_runs', True, 'Keep the rows of runs other than --workdirs\' '
-                  'that --output already holds (one curve per run, measured at different times).')
+flags.DEFINE_bool('keep_other_runs', True, 'Keep the rows --output already holds of runs and '
+                  'checkpoints not measured now (a curve measured a few steps at a time).')
 
 
 def parse_workdirs(specs: list[str]) -> dict[str, pathlib.Path]:
@@ -119,7 +119,9 @@ def main(argv):
               f'exact={row["exact"]}', flush=True)
   output = pathlib.Path(FLAGS.output)
   if FLAGS.keep_other_runs and output.exists():
-    rows = [r for r in json.loads(output.read_text())['rows'] if r['run'] not in runs] + rows
+    measured = {(r['run'], r['step']) for r in rows}
+    rows = [r for r in json.loads(output.read_text())['rows']
+            if (r['run'], r['step']) not in measured] + rows
   result = dict(num_prompts=FLAGS.num_prompts, prompt_tokens=FLAGS.prompt_tokens,
                 max_new_tokens=FLAGS.max_new_tokens, decoder='chain of all heads, greedy',
                 rows=rows)

@@ -36,12 +36,13 @@ def test_every_kept_checkpoint_is_decoded_exactly(tiny_workdir, tmp_path):
   accepted = row['accepted_at_depth']
   assert len(accepted) == config['model']['mtp_num_heads']
   assert row['tokens_per_step'] == pytest.approx(1 + sum(accepted))  # Depth by depth.
-  # Another run's rows in the output stay; this run's are measured again.
-  other = dict(row, run='other')
-  (tmp_path / 'out.json').write_text(json.dumps({'rows': [other, dict(row, tokens=-1)]}))
+  # Another run's rows and this run's other steps stay; this step is measured again.
+  other, earlier = dict(row, run='other'), dict(row, step=row['step'] - 1)
+  (tmp_path / 'out.json').write_text(json.dumps({'rows': [other, earlier,
+                                                          dict(row, tokens=-1)]}))
   data_scale.main([])
   rows = json.loads((tmp_path / 'out.json').read_text())['rows']
-  assert [r['run'] for r in rows] == ['other', 'tiny'] and rows[1] == row
+  assert rows == [other, earlier, row]
   with pytest.raises(ValueError, match='not \\[1000\\]'):
     FLAGS.steps = ['1000']
     data_scale.main([])
