@@ -139,15 +139,16 @@ def test_sampled_generations_follow_the_target_distribution():
   assert_sampling_follows_the_target(_model(seed=5, vocab_size=exact_tests.VOCAB))
 
 
-def assert_sampling_follows_the_target(model):
-  """Sampled generations of `model` (its drafts accepted by rejection sampling) follow the
-  exact distribution of whole generations, and deep drafts were accepted."""
+def assert_sampling_follows_the_target(model, **options):
+  """Sampled generations of `model` (its drafts accepted by rejection sampling; `options` of
+  `decode_testing.decode`, such as a tree) follow the exact distribution of whole
+  generations, and deep drafts were accepted."""
   model.trunk.embedding.embedding[...] *= 4.0  # Sharpened, as in speculative_test.
   prompt = np.array([1, 5, 2], np.int32)
   prompts = np.broadcast_to(prompt, (exact_tests.ROWS, 3))
   exact = exact_tests._exact_distribution(model, prompt)
   out = decode_testing.decode(model, prompts, max_new_tokens=exact_tests.NEW, seed=2,
-                              **exact_tests.SAMPLING)
+                              **exact_tests.SAMPLING, **options)
   assert exact_tests._chisquare_p(np.asarray(out.tokens), exact) > 1e-3
   assert np.asarray(out.accepted_histogram)[:, 2:].sum() > exact_tests.ROWS // 20
 

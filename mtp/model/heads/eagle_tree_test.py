@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from mtp.decode import dynamic_trees
+from mtp.decode import speculative_test as exact_tests
 from mtp.decode import testing as decode_testing
 from mtp.decode import trees
 from mtp.model import testing
+from mtp.model.heads import eagle_test
 from mtp.model.heads import tree_drafts
 
 K, VOCAB = 3, 61
@@ -131,3 +133,10 @@ def test_a_budget_expands_each_rows_best_nodes_and_chooses_as_expanding_all(budg
                                atol=1e-5, err_msg=name)
   if budget - 1 < len(tree_drafts.expanded_nodes(TREE, 2)):  # Some were left undrafted.
     assert np.any(np.isneginf(pruned.scores))
+
+
+def test_sampled_generations_with_dynamic_trees_follow_the_target_distribution():
+  """Exact rejection sampling over node-by-node dynamic trees (the beam prunes at budget 4):
+  the distribution of whole generations."""
+  model = decode_testing.head_model('eagle3', 5, vocab_size=exact_tests.VOCAB, mtp_num_heads=K)
+  eagle_test.assert_sampling_follows_the_target(model, tree_budget=4)
