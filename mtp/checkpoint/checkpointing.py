@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -48,6 +49,7 @@ from mtp.model import transformer
 CONFIG_FILENAME = 'config.json'
 CHECKPOINT_DIRNAME = 'checkpoints'
 BASE_FILENAME = 'base.json'
+DRAFT_IDS_FILENAME = 'draft_vocab.json'  # The heads' draft vocabulary (mtp_head_draft_vocab).
 
 
 class CheckpointError(RuntimeError):
@@ -99,6 +101,41 @@ def save_config(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -
   """Writes config.json (process 0 only)."""
   if jax.process_index() == 0:
     write_json_atomically(paths.as_path(workdir) / CONFIG_FILENAME, config.to_dict())
+
+
+def save_draft_ids(workdir: str | os.PathLike, ids) -> None:
+  """Writes the heads' draft vocabulary (`mtp_head_draft_vocab`) to the workdir (process 0).
+
+  The heads score these ids only, so decoding and export must use exactly them; kept in the
+  workdir, they no longer depend on counting a corpus that may have changed or be absent.
+  """
+  if jax.process_index() == 0:
+    write_json_atomically(paths.as_path(workdir) / DRAFT_IDS_FILENAME,
+                          {'ids': [int(i) for i in ids]})
+
+
+def load_draft_ids(workdir: str | os.PathLike, vocab_size: int):
+  """[N] int32 numpy: the draft vocabulary `save_draft_ids` kept, or None where there is none.
+
+  Raises:
+    CheckpointError: the file is not JSON, or its ids are not distinct ids in [0, vocab_size).
+  """
+  path = paths.as_path(workdir) / DRAFT_IDS_FILENAME
+  if not path.exists():
+    return None
+  try:
+    ids = json.loads(path.read_text())['ids']
+  except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    raise CheckpointError(f'{path} is not a draft vocabulary ({{"ids": [...]}}): '
+                          f'{type(e).__name__}: {e}') from e
+  if (not isinstance(ids, list) or not ids
+      or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+    raise CheckpointError(f'{path}: "ids" must be a non-empty list of token ids.')
+  array = np.asarray(ids, np.int64)
+  if array.min() < 0 or array.max() >= vocab_size or np.unique(array).size != array.size:
+    raise CheckpointError(f'{path}: the ids must be distinct and lie in [0, {vocab_size}) '
+                          '(the model\'s vocabulary).')
+  return array.astype(np.int32)
 
 
 def load_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:

@@ -131,11 +131,19 @@ def mask_ids(logits: jax.Array, ids: jax.Array, vocab_limit: int | None,
 def draft_vocabulary(loaded, size: int) -> np.ndarray:
   """[size] int32 token ids: a loaded model's draft vocabulary of that size (FR-Spec).
 
-  The `size` most frequent ids of the training split of the workdir's corpus (most frequent
-  first; ties by id), ids the model never emits (the pad id, ids past the tokenizer's) last.
+  The heads' own draft vocabulary where the workdir keeps one of that size (training or
+  import wrote it: `checkpointing.save_draft_ids`), in its order. Otherwise the `size` most
+  frequent ids of the training split of the workdir's corpus (most frequent first; ties by id),
+  ids the model never emits (the pad id, ids past the tokenizer's) last.
   """
-  return corpus_draft_vocabulary(loaded.config, loaded.tokenizer,
-                                 loaded.model.cfg.trunk.vocab_size, size, loaded.workdir)
+  from mtp.checkpoint import checkpointing  # pylint: disable=import-outside-toplevel
+  vocab_size = loaded.model.cfg.trunk.vocab_size
+  if getattr(loaded, 'workdir', None) is not None:
+    saved = checkpointing.load_draft_ids(loaded.workdir, vocab_size)
+    if saved is not None and saved.shape[0] == size:
+      return saved
+  return corpus_draft_vocabulary(loaded.config, loaded.tokenizer, vocab_size, size,
+                                 loaded.workdir)
 
 
 def corpus_draft_vocabulary(config, tokenizer, vocab_size: int, size: int, workdir=None,

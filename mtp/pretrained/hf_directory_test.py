@@ -116,6 +116,23 @@ def test_safetensors_interoperates_with_the_library(tmp_path):
     np.testing.assert_array_equal(theirs[name], values)
 
 
+def test_safetensors_index_tensors_keep_their_dtype(tmp_path):
+  """An EAGLE-3 drafter's d2t (int64) and t2d (bool) are read as written; weights as float32;
+  a dtype of neither kind is named."""
+  st = pytest.importorskip('safetensors.numpy')
+  tensors = {'d2t': np.array([3, -1, 40], np.int64), 't2d': np.array([True, False, True]),
+             'w': np.ones((2, 2), np.float16)}
+  st.save_file(tensors, str(tmp_path / 'a.safetensors'))
+  read = safetensors_file.read(tmp_path / 'a.safetensors')
+  assert {n: v.dtype for n, v in read.items()} == {'d2t': np.int64, 't2d': np.bool_,
+                                                  'w': np.float32}
+  for name, values in tensors.items():
+    np.testing.assert_array_equal(read[name], values)
+  st.save_file({'z': np.zeros(2, np.complex64)}, str(tmp_path / 'b.safetensors'))
+  with pytest.raises(PretrainedError, match='tensor z has dtype C64'):
+    safetensors_file.read(tmp_path / 'b.safetensors')
+
+
 def test_rope_theta_from_transformers_5_rope_parameters(tmp_path):
   testing.write_hf_directory(tmp_path, testing.random_tensors(), config={
       'rope_theta': None, 'rope_parameters': {'rope_type': 'default', 'rope_theta': 5e5}})

@@ -21,6 +21,11 @@ from mtp.pretrained.llama import PretrainedError
 _DTYPES = {
     'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
 }
+# Index tensors beside the weights (an EAGLE-3 drafter's d2t and t2d): kept as they are.
+_INDEX_DTYPES = {
+    'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8, 'U8': np.uint8,
+    'BOOL': np.bool_,
+}
 
 
 def read_header(path: pathlib.Path) -> tuple[dict, int]:
@@ -45,7 +50,8 @@ def read_header(path: pathlib.Path) -> tuple[dict, int]:
 
 
 def read(path: str | pathlib.Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
-  """Tensors of a safetensors file (only `names`, if given) as float32 arrays."""
+  """Tensors of a safetensors file (only `names`, if given): weights as float32 arrays,
+  integer and boolean (index) tensors in their own dtype."""
   path = pathlib.Path(path)
   header, start = read_header(path)
   available = path.stat().st_size - start
@@ -54,10 +60,11 @@ def read(path: str | pathlib.Path, names: set[str] | None = None) -> dict[str, n
   for name, info in header.items():
     if names is not None and name not in names:
       continue
-    dtype = _DTYPES.get(info.get('dtype'))
+    dtype = _DTYPES.get(info.get('dtype')) or _INDEX_DTYPES.get(info.get('dtype'))
     if dtype is None:
       raise PretrainedError(f'{path}: tensor {name} has dtype {info.get("dtype")}; only '
-                            f'{", ".join(_DTYPES)} weights can be imported.')
+                            f'{", ".join(_DTYPES)} weights (and {", ".join(_INDEX_DTYPES)} '
+                            'index tensors) can be imported.')
     begin, end = info['data_offsets']
     shape = tuple(info['shape'])
     if end > available:
@@ -67,6 +74,7 @@ def read(path: str | pathlib.Path, names: set[str] | None = None) -> dict[str, n
       raise PretrainedError(f'{path}: tensor {name} has {end - begin} bytes for shape '
                             f'{list(shape)} of {info["dtype"]}.')
     values = data[begin:end].view(dtype).reshape(shape)  # Little-endian, as the host.
-    out[name] = values.astype(np.float32)  # A copy, so the memory map can be closed.
+    # A copy, so the memory map can be closed.
+    out[name] = values.astype(np.float32 if dtype in _DTYPES.values() else dtype)
   del data
   return out

@@ -154,6 +154,8 @@ def make_config(checkpoint: llama.Checkpoint) -> ml_collections.ConfigDict:
     config.model.mtp_num_heads = heads.num_heads
     for key, value in heads.options.items():
       config.model[key] = value
+    if heads.draft_ids is not None:
+      config.mtp_head_draft_vocab = len(heads.draft_ids)
   source = checkpoint.source
   config.pretrained = {
       'format': source['format'], 'path': source['path'], 'name': source.get('name', ''),
@@ -214,37 +216,41 @@ def import_weights(source: str | os.PathLike, workdir: str | os.PathLike
     config = make_config(checkpoint)  # Hashes the (local copies of the) source's files.
   params = make_params(checkpoint, config)
   checkpoint.tensors = {}  # The parameters hold the weights now.
+  draft_ids = checkpoint.heads[1].draft_ids if checkpoint.heads is not None else None
 
   if not remote:  # An object store has no directories to make.
     workdir.parent.mkdir(parents=True, exist_ok=True)
   with workdir_lock.WorkdirLock(workdir):  # No trainer nor other import writes there meanwhile.
     if remote:
-      _write_in_place(workdir, config, checkpoint.tokenizer, params)
+      _write_in_place(workdir, config, checkpoint.tokenizer, params, draft_ids)
     else:
-      _write(workdir, config, checkpoint.tokenizer, params)
+      _write(workdir, config, checkpoint.tokenizer, params, draft_ids)
   return workdir
 
 
 def _save(workdir: pathlib.Path | epath.Path, config: ml_collections.ConfigDict, tokenizer,
-          params: nnx.State) -> None:
-  """The checkpoint, the tokenizer and, last, config.json (which makes it an mtp workdir)."""
+          params: nnx.State, draft_ids=None) -> None:
+  """The checkpoint, the tokenizer, the heads' draft vocabulary (if any) and, last,
+  config.json (which makes it an mtp workdir)."""
   checkpointer = checkpointing.Checkpointer(workdir, max_to_keep=1, async_save=False)
   try:
     checkpointer.save_params(0, params)
   finally:
     checkpointer.close()
   tokenizer.save(workdir)
+  if draft_ids is not None:
+    checkpointing.save_draft_ids(workdir, draft_ids)
   checkpointing.save_config(workdir, config)
 
 
 def _write(workdir: pathlib.Path, config: ml_collections.ConfigDict, tokenizer,
-           params: nnx.State) -> None:
+           params: nnx.State, draft_ids=None) -> None:
   """Builds the workdir in a staging sibling and renames it into place."""
   staging = workdir.with_name(f'.{workdir.name}.importing-{os.getpid()}')
   shutil.rmtree(staging, ignore_errors=True)
   try:
     staging.mkdir()
-    _save(staging, config, tokenizer, params)
+    _save(staging, config, tokenizer, params, draft_ids)
     check_target(workdir)  # Still free? An empty directory is replaced.
     if workdir.exists():
       workdir.rmdir()
@@ -260,7 +266,7 @@ def _write_in_place(workdir: epath.Path, config: ml_collections.ConfigDict, toke
   object again); a failure removes what was written."""
   check_target(workdir)  # Still free now that the lock is ours: what is there is this import's.
   try:
-    _save(workdir, config, tokenizer, params)
+    _save(workdir, config, tokenizer, params, draft_ids)
   except BaseException:
     try:  # Best effort: the error that stopped the import (the network, as a rule) is the one
       paths.remove_tree(workdir)  # to report; what stays behind has no config.json.

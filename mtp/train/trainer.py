@@ -60,6 +60,22 @@ class _Interval:
     return out
 
 
+def _draft_ids(config: ml_collections.ConfigDict, tokenizer, workdir) -> np.ndarray:
+  """The heads' draft vocabulary: the one this workdir keeps (a resumed run trains on the same
+  ids, whatever the corpus holds now), else counted from the corpus and kept for decoding."""
+  size = config.mtp_head_draft_vocab
+  saved = checkpointing.load_draft_ids(workdir, config.model.vocab_size)
+  if saved is not None:
+    if saved.shape[0] != size:
+      raise ValueError(f'mtp_head_draft_vocab={size}, but this workdir\'s heads train on the '
+                       f'{saved.shape[0]} ids of its {checkpointing.DRAFT_IDS_FILENAME}.')
+    return saved
+  ids = draft_vocab.corpus_draft_vocabulary(config, tokenizer, config.model.vocab_size, size,
+                                            workdir, name='mtp_head_draft_vocab')
+  checkpointing.save_draft_ids(workdir, ids)
+  return ids
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                        stop_after_step: int | None = None,
                        on_metrics: Callable[[dict], None] | None = None) -> dict[str, float]:
@@ -164,11 +180,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
     checkpointing.write_base_reference(workdir, config.init_from)
 
   mesh = mesh_lib.make_mesh(config.mesh)
-  draft_ids = None
-  if config.get('mtp_head_draft_vocab'):
-    draft_ids = draft_vocab.corpus_draft_vocabulary(
-        config, tokenizer, config.model.vocab_size, config.mtp_head_draft_vocab, workdir,
-        name='mtp_head_draft_vocab')
+  draft_ids = _draft_ids(config, tokenizer, workdir) if config.get('mtp_head_draft_vocab') else None
   trainer = step_lib.Trainer(config, mesh, *distill.batch_fields(config), draft_ids=draft_ids)
   if distill.uses_trunk_cache(config):
     base_params = functools.cache(lambda: init.with_pretrained_trunk(

@@ -143,10 +143,13 @@ class HFImport:
     num_heads: K (`model.mtp_num_heads`).
     options: the family's `config.model` options (keys of its `OPTIONS`).
     params: `nnx.to_pure_dict` of the family's module, float32.
+    draft_ids: [N] int32, the draft vocabulary the heads score (`mtp_head_draft_vocab`), or
+      None for the whole vocabulary.
   """
   num_heads: int
   options: dict[str, Any]
   params: dict[str, Any]
+  draft_ids: Any = None
 
 
 def take(tensors: Mapping[str, np.ndarray], name: str, where: str = '') -> np.ndarray:

@@ -638,8 +638,10 @@ def _hf_import_eagle1(source: heads.HFImportSource,
 def _hf_import_eagle3(source: heads.HFImportSource,
                       sub: heads.HFSubdirectory) -> heads.HFImport:
   """`eagle3/`: the layer's tensors under `midlayer.` (or vLLM's own `layers.0.`); the fused
-  layers are `eagle_aux_hidden_state_layer_ids` (vLLM's 2, L//2, L-3 when absent). Refused:
-  biases, `norm_before_residual`, and a draft vocabulary (d2t other than the identity)."""
+  layers are `eagle_aux_hidden_state_layer_ids` (vLLM's 2, L//2, L-3 when absent). A draft
+  vocabulary (`draft_vocab_size` N, `d2t`) is imported as the heads' (`mtp_head_draft_vocab`)
+  when `lm_head` holds the base model's output rows of its ids. Refused: biases and
+  `norm_before_residual`."""
   where = f'{SUBDIRECTORY_EAGLE3}/: '
   cfg, config, t = source.trunk_cfg, sub.config, sub.tensors
   d, n = cfg.embed_dim, cfg.num_layers
@@ -647,10 +649,7 @@ def _hf_import_eagle3(source: heads.HFImportSource,
   if config.get('norm_before_residual'):
     raise ValueError(f'{where}config.json sets norm_before_residual; mtp\'s EAGLE-3 layer adds '
                      'the feature before hidden_norm (vLLM\'s default).')
-  if int(config.get('draft_vocab_size') or cfg.vocab_size) != cfg.vocab_size or (
-      'd2t' in t and np.any(t['d2t'])):
-    raise ValueError(f'{where}the drafter has a draft vocabulary (draft_vocab_size, d2t); mtp '
-                     'imports EAGLE-3 drafters over the whole vocabulary only.')
+  draft_ids = _imported_draft_ids(sub, cfg.vocab_size, where)
   biases = sorted(name for name in t if name.endswith('.bias'))
   if biases:
     raise ValueError(f'{where}{biases[0]} is not part of mtp\'s EAGLE-3 drafter (no biases).')
@@ -664,7 +663,8 @@ def _hf_import_eagle3(source: heads.HFImportSource,
   fc = heads.take(t, 'fc.weight', where)
   _check_shape(fc, 'fc.weight', (d, 3 * d), where)
   heads.check_shared(t, 'embed_tokens.weight', source.embedding, 'embedding', where)
-  heads.check_shared(t, 'lm_head.weight', source.unembedding, 'output layer', where)
+  heads.check_shared(t, 'lm_head.weight', source.unembedding if draft_ids is None
+                     else source.unembedding[draft_ids], 'output layer', where)
   layer: dict[str, Any] = {'attn': {}, 'mlp': {}}
   for name, hf_name in _EAGLE3_NORMS.items():
     layer[name] = {'scale': heads.take(t, prefix + hf_name, where)}
@@ -677,6 +677,34 @@ def _hf_import_eagle3(source: heads.HFImportSource,
              'eagle_fused_layers': '' if layers == default else ','.join(map(str, layers)),
              'eagle_feature_loss_weight': 0.0}  # EAGLE-3 trains without it.
   num_heads = int(config.get('num_speculative_tokens') or 1)
-  return heads.HFImport(num_heads=num_heads, options=options, params={
+  return heads.HFImport(num_heads=num_heads, options=options, draft_ids=draft_ids, params={
       'fuse': {'kernel': fc.T}, 'norm': {'scale': heads.take(t, 'norm.weight', where)},
       'layers': {0: layer}})
+
+
+def _imported_draft_ids(sub: heads.HFSubdirectory, vocab_size: int,
+                        where: str) -> np.ndarray | None:
+  """[N] int32 ids of an EAGLE-3 drafter's draft vocabulary (draft index i is token
+  i + d2t[i], vLLM's mapping), or None when it drafts over the whole vocabulary."""
+  size = int(sub.config.get('draft_vocab_size') or vocab_size)
+  d2t = sub.tensors.get('d2t')
+  if d2t is None:
+    if size != vocab_size:
+      raise ValueError(f'{where}draft_vocab_size is {size}, not the vocabulary\'s {vocab_size}, '
+                       'but there is no d2t tensor to map draft indices to token ids.')
+    return None
+  d2t = np.asarray(d2t)
+  if d2t.shape != (size,) or not np.issubdtype(d2t.dtype, np.integer):
+    raise ValueError(f'{where}d2t must be [{size}] integers (draft_vocab_size), got '
+                     f'{d2t.dtype} {d2t.shape}.')
+  ids = np.arange(size, dtype=np.int64) + d2t
+  if ids.min() < 0 or ids.max() >= vocab_size or np.unique(ids).size != size:
+    raise ValueError(f'{where}d2t maps draft indices to ids outside [0, {vocab_size}) or to '
+                     'one id twice.')
+  t2d = sub.tensors.get('t2d')
+  if t2d is not None and not np.array_equal(np.asarray(t2d, bool),
+                                            np.isin(np.arange(vocab_size), ids)):
+    raise ValueError(f'{where}t2d does not mark the ids d2t drafts.')
+  if size == vocab_size and not np.any(d2t):
+    return None
+  return ids.astype(np.int32)

@@ -238,8 +238,9 @@ def test_export_names_and_round_trip():
                nnx.to_pure_dict(nnx.state(model.heads)))
 
 
-def test_a_trained_draft_vocabulary_exports_as_vllm_maps_it():
-  """lm_head holds the N drafted rows; draft index i is token i + d2t[i] (vLLM's mapping)."""
+def test_a_trained_draft_vocabulary_exports_as_vllm_maps_it_and_imports_back():
+  """lm_head holds the N drafted rows; draft index i is token i + d2t[i] (vLLM's mapping); the
+  import reads the same ids back, in their order, as the heads' draft vocabulary."""
   model = _perturbed(_model(num_layers=7, **EAGLE3))
   ids = np.array([5, 0, 17, 3, 40, 9], np.int32)
   context = dataclasses.replace(_context(model), draft_ids=ids)
@@ -250,13 +251,46 @@ def test_a_trained_draft_vocabulary_exports_as_vllm_maps_it():
   np.testing.assert_array_equal(np.arange(6) + d2t, ids)
   np.testing.assert_array_equal(np.flatnonzero(t2d), np.sort(ids))
   np.testing.assert_array_equal(sub.tensors['lm_head.weight'], context.unembedding[ids])
-  with pytest.raises(ValueError, match='whole vocabulary only'):
-    eagle.EagleDrafter.hf_import(_source(model, sub))
+  imported = eagle.EagleDrafter.hf_import(_source(model, sub))
+  assert imported.draft_ids.dtype == np.int32
+  np.testing.assert_array_equal(imported.draft_ids, ids)
+  jax.tree.map(np.testing.assert_array_equal, imported.params,
+               nnx.to_pure_dict(nnx.state(model.heads)))
+  # An identity d2t over the whole vocabulary is no draft vocabulary.
+  whole = model.heads.hf_export(_context(model)).subdirectories['eagle3']
+  whole.tensors['d2t'] = np.zeros(VOCAB, np.int64)
+  assert eagle.EagleDrafter.hf_import(_source(model, whole)).draft_ids is None
+
+
+def _with_draft_vocab(c, t, ids=(5, 0, 17)):
+  """A drafter over `ids`' rows, as vLLM lays it out."""
+  ids = np.asarray(ids)
+  c.update(draft_vocab_size=len(ids))
+  t.update({'d2t': ids - np.arange(len(ids)), 'lm_head.weight': t['lm_head.weight'][ids]})
 
 
 @pytest.mark.parametrize('change,message', [
-    (lambda c, t: t.update({'d2t': np.arange(VOCAB, dtype=np.float32)}), 'draft vocabulary'),
-    (lambda c, t: c.update(draft_vocab_size=32), 'draft vocabulary'),
+    (lambda c, t: (_with_draft_vocab(c, t), t.update(d2t=t['d2t'].astype(np.float32))),
+     r'd2t must be \[3\] integers'),
+    (lambda c, t: (_with_draft_vocab(c, t), t.update(d2t=t['d2t'][:2])), r'd2t must be \[3\]'),
+    (lambda c, t: c.update(draft_vocab_size=32), 'no d2t tensor'),
+    (lambda c, t: _with_draft_vocab(c, t, ids=(5, 5, 17)), 'one id twice'),
+    (lambda c, t: (_with_draft_vocab(c, t), t.update(d2t=t['d2t'] + VOCAB)), 'outside'),
+    (lambda c, t: (_with_draft_vocab(c, t), t.update(t2d=np.zeros(VOCAB, bool))),
+     't2d does not mark'),
+    (lambda c, t: (_with_draft_vocab(c, t), t.update({'lm_head.weight': t['lm_head.weight'][
+        ::-1]})), 'lm_head.weight differs'),
+])
+def test_import_names_a_draft_vocabulary_it_cannot_map(change, message):
+  model = _perturbed(_model(num_layers=7, **EAGLE3))
+  sub = model.heads.hf_export(_context(model)).subdirectories['eagle3']
+  config, tensors = dict(sub.config), dict(sub.tensors)
+  change(config, tensors)
+  with pytest.raises(ValueError, match=message):
+    eagle.EagleDrafter.hf_import(_source(model, heads.HFSubdirectory(config, tensors)))
+
+
+@pytest.mark.parametrize('change,message', [
     (lambda c, t: c.update(norm_before_residual=True), 'norm_before_residual'),
     (lambda c, t: t.update({'midlayer.self_attn.q_proj.bias': np.zeros(32, np.float32)}),
      'midlayer.self_attn.q_proj.bias is not part of'),
@@ -393,6 +427,70 @@ def test_a_trunk_cache_keeps_the_fused_layers_inputs(tiny_workdir, tmp_path):
                              trunk_cache_test._losses(tmp_path / 'plain'), rtol=2e-5)
   [directory] = (tmp_path / 'cached' / 'trunk_cache').iterdir()
   assert 'trunk_layer_inputs.npy' in [p.name for p in directory.iterdir()]
+
+
+def test_a_draft_vocabulary_is_kept_in_the_workdir_and_travels_through_export(tmp_path,
+                                                                                monkeypatch):
+  """Training keeps the heads' draft ids in the workdir: decoding and export read them there,
+  with no corpus to count, and `import_weights` of the vLLM export (d2t) keeps the same ids,
+  so the imported drafter drafts over them, exactly."""
+  import mtp  # pylint: disable=import-outside-toplevel
+  from mtp.checkpoint import checkpointing  # pylint: disable=import-outside-toplevel
+  from mtp.decode import draft_vocab  # pylint: disable=import-outside-toplevel
+  from mtp.decode import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from mtp.export import hf  # pylint: disable=import-outside-toplevel
+  from mtp.pretrained import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  from mtp.train import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from mtp.train import trunk_cache_test  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'cache'))
+  # Three trunk layers: vLLM's EAGLE-3 layout fuses three.
+  trainer_lib.train_and_evaluate(train_testing.tiny_config(**{
+      'model.num_layers': 3, 'num_train_steps': 1, 'eval_steps': 0, 'mesh.data': 1}),
+                                 tmp_path / 'base')
+  config = trunk_cache_test._heads_config(tmp_path / 'base', **{
+      'model.num_layers': 3, 'model.mtp_head_type': 'eagle', 'model.eagle_features': 'fused',
+      'model.eagle_input': 'concat', 'model.eagle_feature_loss_weight': 0.0,
+      'mtp_head_draft_vocab': 40, 'distill.targets': 'teacher'})
+  trainer_lib.train_and_evaluate(config, tmp_path / 'heads')
+  loaded = mtp.load(tmp_path / 'heads')
+  vocab_size = loaded.model.cfg.trunk.vocab_size
+  kept = checkpointing.load_draft_ids(tmp_path / 'heads', vocab_size)
+  counted = draft_vocab.corpus_draft_vocabulary(loaded.config, loaded.tokenizer, vocab_size, 40)
+  np.testing.assert_array_equal(kept, counted)
+  # The kept ids win over the corpus: a changed (here unreadable) corpus changes nothing.
+  loaded.config.data.corpus = 'no_such_corpus'
+  np.testing.assert_array_equal(draft_vocab.draft_vocabulary(loaded, 40), kept)
+  # A resumed run with another size is refused, naming the file.
+  config.mtp_head_draft_vocab = 30
+  with pytest.raises(ValueError, match='40 ids of its draft_vocab.json'):
+    trainer_lib.train_and_evaluate(config, tmp_path / 'heads')
+
+  (tmp_path / 'export').mkdir()
+  hf.write(loaded, tmp_path / 'export', np.float32)
+  back = mtp.load(workdir_lib.import_weights(tmp_path / 'export', tmp_path / 'imported'))
+  assert back.config.mtp_head_draft_vocab == 40
+  np.testing.assert_array_equal(checkpointing.load_draft_ids(back.workdir, vocab_size), kept)
+  back.config.data.corpus = 'no_such_corpus'  # Nothing is counted.
+  resolved = plan_lib.resolve(back, 'speculative', max_new_tokens=8)
+  assert resolved.plan.draft_vocab_size == 40
+  prompts = ['def f(x):\n    return', 'import os\n']
+  drafted = mtp.generate(back, prompts, max_new_tokens=12, decoder='speculative')
+  plain = mtp.generate(loaded, prompts, max_new_tokens=12, decoder='autoregressive')
+  assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+
+
+def test_a_corrupt_draft_vocabulary_file_is_named(tmp_path):
+  from mtp.checkpoint import checkpointing  # pylint: disable=import-outside-toplevel
+  path = tmp_path / checkpointing.DRAFT_IDS_FILENAME
+  assert checkpointing.load_draft_ids(tmp_path, 10) is None
+  for text, message in [('{"ids": [1, 2', 'is not a draft vocabulary'),
+                        ('{"ids": []}', 'non-empty list'), ('{"ids": [1, 1]}', 'distinct'),
+                        ('{"ids": [3, 10]}', r'\[0, 10\)'), ('[1, 2]', 'not a draft')]:
+    path.write_text(text)
+    with pytest.raises(checkpointing.CheckpointError, match=message):
+      checkpointing.load_draft_ids(tmp_path, 10)
+  checkpointing.save_draft_ids(tmp_path, np.array([4, 0, 7], np.int32))
+  np.testing.assert_array_equal(checkpointing.load_draft_ids(tmp_path, 10), [4, 0, 7])
 
 
 # ------------------------------------------------------------------------------------------
