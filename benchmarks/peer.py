@@ -21,7 +21,14 @@ Decoders, greedy, at batch 1 and 4:
     static default tree), and that tree with a chain of prompt-lookup drafts beside it
     (`--mtp_lookup` copies of the text's own continuation; 0 leaves the row out);
   * mtp auto, the default decoder (`mtp.generate` with no decoder, tree or lookup named): its
-    own tree and lookup drafts, each kind of drafting step stopped where it does not pay.
+    own tree and lookup drafts, each kind of drafting step stopped where it does not pay;
+  * llama.cpp greedy and llama.cpp prompt lookup (`llama-cpp-python`'s `Llama.generate` at
+    temperature 0, the second with its `LlamaPromptLookupDecoding` drafts, as many as HF's),
+    where `llama-cpp-python` is installed (`pip install llama-cpp-python` builds llama.cpp, about
+    10 minutes here). What people run a small model with on a CPU; unlike the other rows, it
+    reads the GGUF file's own quantised weights (Q4_1), so its outputs may part from theirs and
+    its speed is not a same-weights comparison: reported, not a target. Batch 1 only: its
+    Python API decodes one sequence at a time.
   `--draft_vocab=N` lets the heads of every drafting row draft over the N most frequent ids
   (FR-Spec; 0: the whole vocabulary); by default each decoder drafts over its own default.
 
@@ -82,7 +89,8 @@ flags.DEFINE_enum('tree', 'auto', ['auto', 'default'], 'The mtp tree: auto (from
 flags.DEFINE_integer('draft_vocab', None, 'The heads draft over this many most frequent ids of '
                      'their training data (FR-Spec, `mtp.generate(draft_vocab=)`); 0: all; '
                      'default: each decoder\'s own.')
-flags.DEFINE_integer('threads', None, 'torch threads (default: all cores).')
+flags.DEFINE_integer('threads', None, 'torch and llama.cpp threads (default: all cores).')
+flags.DEFINE_bool('llama_cpp', True, 'llama.cpp rows (where llama-cpp-python is installed).')
 flags.DEFINE_string('output', 'results/peer.json', 'JSON results.')
 flags.DEFINE_string('table', 'results/peer.md', 'The markdown table.')
 flags.DEFINE_string('plot', 'results/peer.png', 'Plot.')
@@ -96,6 +104,8 @@ MTP_TREE = 'mtp tree'
 MTP_TREE_LOOKUP = 'mtp tree + lookup'
 MTP_LOOKUP = 'mtp lookup'
 MTP_AUTO = 'mtp auto (default)'
+LLAMA_GREEDY = 'llama.cpp greedy'
+LLAMA_LOOKUP = 'llama.cpp prompt lookup'
 SPECULATIVE = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP, MTP_LOOKUP, MTP_AUTO)
 HEADS_ONLY = (MTP_CHAIN, MTP_TREE, MTP_TREE_LOOKUP)
 
@@ -183,6 +193,54 @@ def hf_decoder(model, pad_id: int, **options) -> Decoder:
   return run
 
 
+def llama_cpp_decoder(gguf: pathlib.Path, threads: int, lookup_tokens: int = 0) -> Decoder:
+  """llama.cpp's greedy decoding of the GGUF file (its own weights), one prompt at a time, from
+  the same ids as transformers; with `lookup_tokens`, its prompt-lookup drafts."""
+  import llama_cpp
+  from llama_cpp import llama_speculative
+  draft = (llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
+           if lookup_tokens else None)
+  model = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, draft_model=draft, verbose=False)
+
+  def run(texts, ids, batch_size):
+    del texts
+    assert batch_size == 1, batch_size
+    tokens, seconds = [], 0.0
+    for row in ids:
+      model.reset()  # No prefix of an earlier prompt is reused: every prefill is paid.
+      start = time.perf_counter()
+      new = []
+      for token in model.generate(list(row), temp=0.0, repeat_penalty=1.0):
+        new.append(int(token))  # EOS does not stop it: generate never checks for one.
+        if len(new) == FLAGS.max_new_tokens:
+          break
+      seconds += time.perf_counter() - start
+      tokens.append(new)
+    return Run(tokens, seconds)
+  return run
+
+
+def llama_cpp_entries(gguf: pathlib.Path, threads: int, batch_size: int) -> dict:
+  """{name: Entry} of the llama.cpp rows at this batch size."""
+  if not FLAGS.llama_cpp:
+    return {}
+  try:
+    import llama_cpp  # noqa: F401  # pylint: disable=unused-import
+  except ImportError:
+    why = 'llama-cpp-python is not installed (pip install llama-cpp-python)'
+    return {LLAMA_GREEDY: Entry(None, not_applicable=why),
+            LLAMA_LOOKUP: Entry(None, not_applicable=why)}
+  if batch_size != 1:
+    why = 'llama-cpp-python decodes one sequence at a time'
+    return {LLAMA_GREEDY: Entry(None, not_applicable=why),
+            LLAMA_LOOKUP: Entry(None, not_applicable=why)}
+  lookup_tokens = FLAGS.prompt_lookup_num_tokens
+  return {LLAMA_GREEDY: Entry(llama_cpp_decoder(gguf, threads), 'Q4_1 weights'),
+          LLAMA_LOOKUP: Entry(llama_cpp_decoder(gguf, threads, lookup_tokens),
+                              f'Q4_1 weights, {lookup_tokens} drafts')}
+
+
 def mtp_decoder(loaded, decoder: str, tree=None, lookup: int | None = 0) -> Decoder:
   """`mtp.generate` (it compiles and warms up before its timed batches); with decoder 'auto',
   tree=None and lookup=None, the library's defaults."""
@@ -212,7 +270,8 @@ def mtp_tree(loaded, batch_size: int):
   return engine.plan.block(1)[0]  # Kind 1: the heads' drafter alone.
 
 
-def decoders_by_batch(hf_model, hf_pad_id: int, loaded, batch_sizes) -> dict:
+def decoders_by_batch(hf_model, hf_pad_id: int, loaded, batch_sizes, gguf: pathlib.Path,
+                      threads: int) -> dict:
   """{batch size: {decoder name: Entry}}."""
   heads = loaded.model.mtp_num_heads
   no_eos = dataclasses.replace(loaded, tokenizer=_WithoutEos(loaded.tokenizer))
@@ -246,6 +305,7 @@ def decoders_by_batch(hf_model, hf_pad_id: int, loaded, batch_sizes) -> dict:
                                      f'{FLAGS.mtp_lookup} drafts, every step')
       table[b][MTP_AUTO] = Entry(mtp_decoder(no_eos, 'auto', lookup=None),
                                  'lookup alone, stops where drafts do not pay')
+    table[b].update(llama_cpp_entries(gguf, threads, b))
   return table
 
 
@@ -375,7 +435,8 @@ def report_markdown(result: dict) -> str:
            'no heads')
   load = result['load_average']['start'][0]
   return (
-      f'{pathlib.Path(result["gguf"]).name} in float32: mtp {result["workdir"]} '
+      f'{pathlib.Path(result["gguf"]).name} in float32 (llama.cpp: its own quantised '
+      f'weights): mtp {result["workdir"]} '
       f'({heads}, step {result["step"]}) vs transformers '
       f'{result["versions"]["transformers"]}; {result["num_prompts"]} prompts per kind, greedy, '
       f'{result["max_new_tokens"]} new tokens (EOS ignored), median of {result["repeats"]}; '
@@ -479,7 +540,8 @@ def main(argv):
         f'({time.perf_counter() - start:.0f}s to load)', flush=True)
 
   prompts, hf_ids, mtp_ids = prepare_prompts(loaded.tokenizer, hf_tokenizer)
-  decoders = decoders_by_batch(hf_model, hf_tokenizer.pad_token_id, loaded, batch_sizes)
+  decoders = decoders_by_batch(hf_model, hf_tokenizer.pad_token_id, loaded, batch_sizes, gguf,
+                               threads)
   rows = summarize(measure(prompts, hf_ids, decoders), decoders)
   result = dict(
       workdir=str(loaded.workdir), step=loaded.step, num_heads=loaded.model.mtp_num_heads,

@@ -79,8 +79,17 @@ def test_end_to_end_on_a_tiny_model(tiny_workdir, tmp_path):
   result = json.loads((out / 'peer.json').read_text())
   assert result['speculative_equals_autoregressive'] is True
   rows = {(r['kind'], r['batch_size'], r['decoder']): r for r in result['rows']}
-  assert len(rows) == 2 * 2 * 7  # kinds x batch sizes x decoders (tree + lookup, auto)
+  # kinds x batch sizes x decoders (tree + lookup, auto, and llama.cpp's two)
+  assert len(rows) == 2 * 2 * 9
   assert 'not_applicable' in rows['code', 2, peer.HF_LOOKUP]
+  for name in (peer.LLAMA_GREEDY, peer.LLAMA_LOOKUP):
+    assert 'not_applicable' in rows['code', 2, name]
+    try:
+      import llama_cpp  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:  # Named, not measured.
+      assert 'not installed' in rows['code', 1, name]['not_applicable']
+    else:
+      assert rows['code', 1, name]['tokens_per_sec'] > 0
   for (kind, b, name), row in rows.items():
     if 'not_applicable' not in row:
       assert row['tokens_per_sec'] > 0
