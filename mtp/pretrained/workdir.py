@@ -261,7 +261,7 @@ def _write(workdir: pathlib.Path, config: ml_collections.ConfigDict, tokenizer,
 
 
 def _write_in_place(workdir: epath.Path, config: ml_collections.ConfigDict, tokenizer,
-                    params: nnx.State) -> None:
+                    params: nnx.State, draft_ids=None) -> None:
   """Writes a workdir on an object store where it stands (a rename there would copy every
   object again); a failure removes what was written."""
   check_target(workdir)  # Still free now that the lock is ours: what is there is this import's.
