@@ -138,6 +138,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.head_lr_multiplier = 1.0
   c.optim.warmup_steps = 100
   c.optim.end_lr_fraction = 0.1
+  # 0: cosine decay over the whole run; N: hold the peak, decay over the last N steps only
+  # (warmup-stable-decay: a constant-rate run can be resumed and annealed).
+  c.optim.decay_steps = 0
   c.optim.weight_decay = 0.1
   c.optim.b1 = 0.9
   c.optim.b2 = 0.95

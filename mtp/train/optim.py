@@ -1,5 +1,10 @@
 """Optimizer: AdamW with warm-up and cosine decay, clipping, and the three training modes.
 
+The schedule decays over the whole run (`optim.decay_steps=0`), or holds the peak and decays
+over the last `decay_steps` only (warmup-stable-decay). The second can be resumed past its
+planned end: a run trained at constant rate (`end_lr_fraction=1.0`) to step S, resumed with
+num_train_steps = S + N and decay_steps = N, continues exactly and then anneals.
+
 * `joint`: trunk and heads trained together from scratch.
 * `frozen_trunk` (Medusa-1): only the heads learn; the trunk's updates are exactly zero.
 * `finetune` (Medusa-2): trunk and heads learn together, heads at `head_lr_multiplier` times
@@ -31,10 +36,26 @@ def validate(optim_config, num_train_steps: int) -> None:
     raise ValueError(f'optim.warmup_steps must be >= 0, got {optim_config.warmup_steps}.')
   if num_train_steps <= 0:
     raise ValueError(f'num_train_steps must be positive, got {num_train_steps}.')
+  if not 0.0 <= optim_config.end_lr_fraction <= 1.0:
+    raise ValueError('optim.end_lr_fraction must be between 0 and 1, got '
+                     f'{optim_config.end_lr_fraction}.')
+  decay = optim_config.get('decay_steps', 0)
+  if not 0 <= decay <= num_train_steps:
+    raise ValueError(f'optim.decay_steps must be between 0 (decay over the whole run) and '
+                     f'num_train_steps ({num_train_steps}), got {decay}.')
 
 
 def learning_rate_schedule(optim_config, num_train_steps: int, peak: float) -> optax.Schedule:
-  """Linear warm-up to `peak`, then cosine decay to end_lr_fraction * peak."""
+  """Linear warm-up to `peak`, then cosine decay to end_lr_fraction * peak: over the rest of
+  the run, or (decay_steps > 0) over its last decay_steps, holding `peak` until then."""
+  decay = optim_config.get('decay_steps', 0)
+  if decay:
+    stable_end = num_train_steps - decay
+    warmup = min(optim_config.warmup_steps, stable_end)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, max(warmup, 1)), optax.constant_schedule(peak),
+         optax.cosine_decay_schedule(peak, decay, alpha=optim_config.end_lr_fraction)],
+        boundaries=[warmup, stable_end])
   warmup = min(optim_config.warmup_steps, max(num_train_steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=peak, warmup_steps=warmup,
