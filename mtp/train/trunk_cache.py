@@ -18,12 +18,14 @@ removes:
     a KV cache, their hidden states kept on the way (Medusa's self-distillation).
 
 Arrays live under `workdir/trunk_cache/<key>/` as `.npy` files opened memory-mapped, written to
-a temporary directory and renamed, so an interrupted build leaves nothing half-written. The key
-names the rows, the trunk's shape and where its weights came from; another key builds anew.
+a partial directory and renamed when complete, so an interrupted build leaves nothing
+half-written, and the next run resumes it at the first row not yet on disk. The key names the
+rows, the trunk's shape and where its weights came from; another key builds anew.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -187,36 +189,95 @@ def build_rollouts(prompts: np.ndarray, rollout: Callable, directory: str | os.P
 def _build(directory: str | os.PathLike, names: list[str], num_rows: int, batch_size: int,
            compute: Callable[[slice], dict[str, np.ndarray]], what: str,
            tokens_per_row: int) -> dict[str, np.ndarray]:
-  """Fills `names`.npy ([num_rows, ...] each) from `compute(rows)`, batch by batch, atomically."""
+  """Fills `names`.npy ([num_rows, ...] each) from `compute(rows)`, batch by batch, atomically.
+
+  The arrays fill `<key>.partial/`, which records after every batch how many rows are written
+  (`progress.json`, written once the rows are on disk). A build that is stopped (preempted,
+  killed, out of time) resumes there: a pass of the trunk over millions of tokens takes hours
+  here. One process at a time owns the partial directory (a lock beside it); another one that
+  builds the same key meanwhile builds a private copy from the start, and the first complete
+  copy wins.
+  """
   directory = pathlib.Path(directory)
   if all((directory / f'{name}.npy').exists() for name in names):
     return load(directory, names)
-  tmp = directory.with_name(f'{directory.name}.{os.getpid()}.tmp')
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
-  out = {}
-  start = time.perf_counter()
-  for first in range(0, num_rows, batch_size):
-    rows = slice(first, min(first + batch_size, num_rows))
-    values = compute(rows)
-    if not out:
-      out = {name: np.lib.format.open_memmap(
-          tmp / f'{name}.npy', 'w+', values[name].dtype,
-          (num_rows,) + values[name].shape[1:]) for name in names}
-    for name in names:
-      out[name][rows] = values[name]
-    if first == 0 or rows.stop == num_rows or (first // batch_size) % 20 == 0:
-      elapsed = time.perf_counter() - start
-      logging.info('%s: %d/%d rows (%.0f tokens/s).', what, rows.stop, num_rows,
-                   rows.stop * tokens_per_row / max(elapsed, 1e-9))
-  for array in out.values():
-    array.flush()
-  del out
-  if directory.exists():  # Another process finished first: keep its copy.
-    shutil.rmtree(tmp, ignore_errors=True)
-  else:
-    tmp.replace(directory)
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  lock = open(directory.with_name(f'{directory.name}.partial.lock'), 'w')
+  try:
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    tmp, resumable = directory.with_name(f'{directory.name}.partial'), True
+  except OSError:  # Another process owns the partial build.
+    lock.close()
+    lock, resumable = None, False
+    tmp = directory.with_name(f'{directory.name}.{os.getpid()}.tmp')
+  try:
+    if all((directory / f'{name}.npy').exists() for name in names):  # Built meanwhile.
+      return load(directory, names)
+    out, done = (_reopen(tmp, names, num_rows) if resumable else ({}, 0))
+    if done:
+      logging.info('%s: resuming at row %d/%d from %s.', what, done, num_rows, tmp)
+    else:
+      shutil.rmtree(tmp, ignore_errors=True)
+      tmp.mkdir(parents=True)
+    start, counted = time.perf_counter(), 0
+    for first in range(done, num_rows, batch_size):
+      rows = slice(first, min(first + batch_size, num_rows))
+      values = compute(rows)
+      if not out:
+        out = {name: np.lib.format.open_memmap(
+            tmp / f'{name}.npy', 'w+', values[name].dtype,
+            (num_rows,) + values[name].shape[1:]) for name in names}
+      for name in names:
+        out[name][rows] = values[name]
+        out[name].flush()
+      _write_progress(tmp, rows.stop, num_rows, names)
+      counted += rows.stop - rows.start
+      if first == done or rows.stop == num_rows or (first // batch_size) % 20 == 0:
+        elapsed = time.perf_counter() - start
+        logging.info('%s: %d/%d rows (%.0f tokens/s).', what, rows.stop, num_rows,
+                     counted * tokens_per_row / max(elapsed, 1e-9))
+    del out
+    (tmp / _PROGRESS).unlink(missing_ok=True)
+    if directory.exists():  # Another process finished first: keep its copy.
+      shutil.rmtree(tmp, ignore_errors=True)
+    else:
+      tmp.replace(directory)
+    if resumable:
+      directory.with_name(f'{directory.name}.partial.lock').unlink(missing_ok=True)
+  except BaseException:
+    if not resumable:  # Nobody resumes a private copy.
+      shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  finally:
+    if lock is not None:
+      lock.close()
   return load(directory, names)
+
+
+_PROGRESS = 'progress.json'
+
+
+def _write_progress(tmp: pathlib.Path, rows_done: int, num_rows: int, names) -> None:
+  staged = tmp / f'{_PROGRESS}.tmp'
+  staged.write_text(json.dumps({'rows_done': rows_done, 'num_rows': num_rows,
+                                'names': sorted(names)}))
+  staged.replace(tmp / _PROGRESS)
+
+
+def _reopen(tmp: pathlib.Path, names, num_rows: int) -> tuple[dict[str, np.ndarray], int]:
+  """The arrays of a partial build and its rows written, or ({}, 0) when there is nothing to
+  resume (none, or one of other rows or arrays: a partial build is never trusted half-way)."""
+  try:
+    progress = json.loads((tmp / _PROGRESS).read_text())
+    if progress['num_rows'] != num_rows or progress['names'] != sorted(names):
+      return {}, 0
+    out = {name: np.load(tmp / f'{name}.npy', mmap_mode='r+') for name in names}
+    done = int(progress['rows_done'])
+    if not 0 < done <= num_rows or any(a.shape[0] != num_rows for a in out.values()):
+      return {}, 0
+    return out, done
+  except (OSError, ValueError, KeyError, TypeError):
+    return {}, 0
 
 
 def load(directory: pathlib.Path, names) -> dict[str, np.ndarray]:

@@ -189,3 +189,67 @@ def test_bad_distill_settings_are_named(trained_workdir, tmp_path, overrides, me
   with pytest.raises(ValueError, match=message):
     trainer_lib.train_and_evaluate(config, tmp_path / 'new')
   assert not (tmp_path / 'new').exists()
+
+
+class _Interrupted(Exception):
+  pass
+
+
+def _fake_trunk(calls: list, fail_at: int | None = None):
+  """A trunk pass whose states are a function of the row's tokens; raises on call `fail_at`."""
+  def forward(tokens, positions, segment_ids):
+    del positions, segment_ids
+    calls.append(tokens[:, 0].copy())
+    if fail_at is not None and len(calls) == fail_at:
+      raise _Interrupted
+    hidden = np.repeat(tokens[..., None].astype(np.float32), 3, axis=-1)
+    return hidden, np.stack([hidden, -hidden], axis=2), (tokens + 1).astype(np.int32)
+  return forward
+
+
+def _rows(n: int, t: int = 5) -> dict[str, np.ndarray]:
+  tokens = np.arange(n * t, dtype=np.int32).reshape(n, t)
+  return {'tokens': tokens, 'positions': np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)),
+          'segment_ids': np.ones((n, t), np.int32)}
+
+
+def test_an_interrupted_trunk_pass_resumes_where_it_stopped(tmp_path):
+  arrays, kwargs = _rows(10), dict(batch_size=3, store_hidden=True, store_layer_inputs=True)
+  expected = trunk_cache.build(arrays, _fake_trunk([]), tmp_path / 'whole', **kwargs)
+  first = []
+  with pytest.raises(_Interrupted):  # Stopped in its third batch: rows 0..5 are on disk.
+    trunk_cache.build(arrays, _fake_trunk(first, fail_at=3), tmp_path / 'key', **kwargs)
+  assert not (tmp_path / 'key').exists() and (tmp_path / 'key.partial').is_dir()
+  resumed = []
+  cached = trunk_cache.build(arrays, _fake_trunk(resumed), tmp_path / 'key', **kwargs)
+  assert len(resumed) == 2  # Rows 6..8 and 9 (padded): none of the six on disk again.
+  np.testing.assert_array_equal(np.concatenate(resumed)[:4], arrays['tokens'][6:, 0])
+  assert cached.keys() == expected.keys()
+  for name in expected:
+    np.testing.assert_array_equal(cached[name], expected[name])
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['key', 'whole']  # Nothing left over.
+  assert not (tmp_path / 'key' / 'progress.json').exists()
+
+
+def test_a_partial_pass_over_other_rows_is_built_again(tmp_path):
+  kwargs = dict(batch_size=3, store_hidden=True)
+  with pytest.raises(_Interrupted):
+    trunk_cache.build(_rows(10), _fake_trunk([], fail_at=2), tmp_path / 'key', **kwargs)
+  calls = []
+  cached = trunk_cache.build(_rows(7), _fake_trunk(calls), tmp_path / 'key', **kwargs)
+  assert len(calls) == 3 and cached[trunk_cache.HIDDEN].shape == (7, 5, 3)
+  np.testing.assert_array_equal(cached[trunk_cache.HIDDEN][:, :, 0], _rows(7)['tokens'])
+
+
+def test_a_pass_already_owned_by_another_process_builds_a_private_copy(tmp_path):
+  import fcntl
+  arrays, kwargs = _rows(4), dict(batch_size=3, store_hidden=False)
+  with open(tmp_path / 'key.partial.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # As another process building the same key would.
+    # flock is per open file description: this process's second open is refused as another's.
+    with pytest.raises(_Interrupted):
+      trunk_cache.build(arrays, _fake_trunk([], fail_at=2), tmp_path / 'key', **kwargs)
+    assert not list(tmp_path.glob('*.tmp'))  # A private copy is not kept for resuming.
+    cached = trunk_cache.build(arrays, _fake_trunk([]), tmp_path / 'key', **kwargs)
+  np.testing.assert_array_equal(cached[trunk_cache.TARGETS][:, 1:], arrays['tokens'][:, :-1] + 1)
+  assert not (tmp_path / 'key.partial').exists()
