@@ -24,6 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
   # pretrained model, frozen (optim.mode='frozen_trunk', Medusa-1) or fine-tuned with it
   # (optim.mode='finetune', Medusa-2). Empty: train from scratch.
   c.init_from = ''
+  # A workdir whose heads (latest checkpoint) a fresh run starts from instead of random ones, to
+  # train them on: more data, rollouts after teacher-forced features, a new schedule. Its
+  # heads and trunk must have this config's shapes; its draft vocabulary comes along.
+  c.init_heads_from = ''
 
   # Loop.
   c.num_train_steps = 1000

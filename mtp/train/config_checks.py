@@ -80,6 +80,7 @@ def check_workdir_matches(workdir: pathlib.Path, config: ml_collections.ConfigDi
   if not path.exists():
     # Checked once, at the start: a resumed full fine-tune no longer needs its base.
     check_init_from(config)
+    check_init_heads_from(config)
     return
   saved = checkpointing.load_config(workdir)
   saved_scanned = bool(saved.model.get('scan_layers', False))
@@ -136,6 +137,37 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
                             dataset_name=f'data.source={dataset.directory}',
                             tokenizer_name=f'the base workdir init_from={source}',
                             remedy=f'prepare the data with --tokenizer={source}')
+
+
+def check_init_heads_from(config: ml_collections.ConfigDict) -> None:
+  """The workdir `init_heads_from` must hold heads of the configured family, number and draft
+  vocabulary size, on a trunk of the configured shape: checked from its config.json before
+  anything is written or computed (their parameters are then restored by shape).
+
+  Raises:
+    ValueError: naming each mismatched setting.
+    checkpointing.CheckpointError: the source is not an mtp workdir (no config.json).
+  """
+  source = config.get('init_heads_from')
+  if not source:
+    return
+  saved = checkpointing.load_config(source)
+  configured = mtp_model.ModelConfig.from_config(config.model)
+  if not configured.mtp_num_heads:
+    raise ValueError(f'init_heads_from={source}, but model.mtp_num_heads=0: there are no heads '
+                     'to start from it.')
+  theirs = mtp_model.ModelConfig.from_config(saved.model)
+  differ = [f'model.{key}: {getattr(theirs, key)!r} there, {getattr(configured, key)!r} '
+            'configured' for key in ('mtp_head_type', 'mtp_num_heads')
+            if getattr(theirs, key) != getattr(configured, key)]
+  differ += [f'model.{k}: {getattr(theirs.trunk, k)!r} there, {getattr(configured.trunk, k)!r} '
+             'configured' for k in _trunk_differences(theirs.trunk, configured.trunk)]
+  size, their_size = config.get('mtp_head_draft_vocab', 0), saved.get('mtp_head_draft_vocab', 0)
+  if size != their_size:
+    differ.append(f'mtp_head_draft_vocab: {their_size} there, {size} configured')
+  if differ:
+    raise ValueError(f'init_heads_from: the heads in {source} do not fit this config: '
+                     + '; '.join(differ) + '.')
 
 
 def check_same_trunk(source: str | pathlib.Path,

@@ -29,9 +29,11 @@ def saved_params(config: ml_collections.ConfigDict, params: nnx.State) -> nnx.St
 
 def initial_state(config: ml_collections.ConfigDict, workdir: pathlib.Path,
                   trainer: step_lib.Trainer, checkpointer: checkpointing.Checkpointer,
-                  data_iterator) -> tuple[step_lib.TrainState, int]:
+                  data_iterator, heads: nnx.State | None = None
+                  ) -> tuple[step_lib.TrainState, int]:
   """(The state to train from, its step): the workdir's latest checkpoint, with the data
-  iterator restored in place; else the init_from trunk under fresh heads; else fresh."""
+  iterator restored in place; else the init_from trunk under fresh heads, or under `heads`
+  (`pretrained_heads`); else fresh."""
   start_step = checkpointer.latest_step() or 0
   if start_step:
     abstract = trainer.abstract_state_with_shardings()
@@ -49,7 +51,32 @@ def initial_state(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   if config.get('init_from'):
     state = state.replace(params=with_pretrained_trunk(state.params, config.init_from, trainer))
     logging.info('Initialised the trunk from %s.', config.init_from)
+  if heads is not None:
+    state = state.replace(params=param_tree.replace(state.params, heads))
+    logging.info('Initialised the heads from %s.', config.init_heads_from)
   return state, 0
+
+
+def pretrained_heads(config: ml_collections.ConfigDict, trainer: step_lib.Trainer,
+                     workdir: pathlib.Path) -> nnx.State | None:
+  """The heads of workdir `init_heads_from` (its latest step) for a fresh run in `workdir`;
+  None where it is not set or the run resumes (its own checkpoint has its heads).
+
+  Raises:
+    CheckpointError: it has no checkpoint, or none with heads of the configured shapes.
+  """
+  source = config.get('init_heads_from')
+  if not source:
+    return None
+  own = checkpointing.Checkpointer(workdir, read_only=True)
+  try:
+    if own.latest_step():
+      return None
+  finally:
+    own.close()
+  target = trainer.abstract_state_with_shardings().params
+  heads, _ = checkpointing.restore_params(source, target, parts=[param_tree.HEADS])
+  return heads
 
 
 def with_pretrained_trunk(params: nnx.State, source: str | pathlib.Path,

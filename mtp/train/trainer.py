@@ -65,6 +65,14 @@ def _draft_ids(config: ml_collections.ConfigDict, tokenizer, workdir) -> np.ndar
   ids, whatever the corpus holds now), else counted from the corpus and kept for decoding."""
   size = config.mtp_head_draft_vocab
   saved = checkpointing.load_draft_ids(workdir, config.model.vocab_size)
+  if saved is None and config.get('init_heads_from'):  # The ids those heads learnt.
+    saved = checkpointing.load_draft_ids(config.init_heads_from, config.model.vocab_size)
+    if saved is not None:
+      checkpointing.save_draft_ids(workdir, saved)
+    else:
+      logging.warning('init_heads_from=%s keeps no %s: its heads\' draft vocabulary is counted '
+                      'from this corpus, which may differ from the one they learnt.',
+                      config.init_heads_from, checkpointing.DRAFT_IDS_FILENAME)
   if saved is not None:
     if saved.shape[0] != size:
       raise ValueError(f'mtp_head_draft_vocab={size}, but this workdir\'s heads train on the '
@@ -182,6 +190,8 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   mesh = mesh_lib.make_mesh(config.mesh)
   draft_ids = _draft_ids(config, tokenizer, workdir) if config.get('mtp_head_draft_vocab') else None
   trainer = step_lib.Trainer(config, mesh, *distill.batch_fields(config), draft_ids=draft_ids)
+  # A fresh run's starting heads are restored now: a misfit costs no trunk pass.
+  heads = init.pretrained_heads(config, trainer, workdir)
   if distill.uses_trunk_cache(config):
     base_params = functools.cache(lambda: init.with_pretrained_trunk(
         trainer.init_state().params, config.init_from, trainer))
@@ -208,7 +218,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   # A checkpoint holds the position of the iterator that fed its own step.
   resumed_phase = phase_of(checkpointer.latest_step() or 1)
   state, start_step = init.initial_state(config, workdir, trainer, checkpointer,
-                                         resumed_phase.iterator)
+                                         resumed_phase.iterator, heads)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   logging.info('Model: %s parameters, %s.', f'{num_params:,}', trainer.model_config)
 

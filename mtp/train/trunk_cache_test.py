@@ -1,5 +1,6 @@
 """Heads trained on cached frozen-trunk states, and self-distillation targets."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -253,3 +254,48 @@ def test_a_pass_already_owned_by_another_process_builds_a_private_copy(tmp_path)
     cached = trunk_cache.build(arrays, _fake_trunk([]), tmp_path / 'key', **kwargs)
   np.testing.assert_array_equal(cached[trunk_cache.TARGETS][:, 1:], arrays['tokens'][:, :-1] + 1)
   assert not (tmp_path / 'key.partial').exists()
+
+
+def _heads_of(workdir):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from mtp.checkpoint import param_tree  # pylint: disable=import-outside-toplevel
+  state = nnx.state(mtp.load(workdir).model, nnx.Param)
+  return nnx.to_pure_dict(param_tree.select(state, [param_tree.HEADS]))
+
+
+def test_heads_start_from_another_workdirs_heads_and_draft_vocabulary(trained_workdir, tmp_path,
+                                                                      monkeypatch):
+  """init_heads_from: a fresh run trains on from another run's heads (and their ids), e.g. a
+  fine-tune on rollouts after teacher-forced features; a misfit is named before any work."""
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'cache'))
+  first = tmp_path / 'first'
+  settings = {'mtp_head_draft_vocab': 40, 'distill.targets': 'teacher',
+              'distill.cache_trunk_states': True}
+  trainer_lib.train_and_evaluate(_heads_config(trained_workdir, **settings), first)
+  # Rollout targets and a rate too small to move them: the second run's heads are the first's.
+  second = tmp_path / 'second'
+  trainer_lib.train_and_evaluate(_heads_config(trained_workdir, **{
+      **settings, 'distill.targets': 'rollout', 'init_heads_from': str(first),
+      'num_train_steps': 1, 'optim.learning_rate': 1e-12, 'optim.warmup_steps': 0}), second)
+  started, trained = jax.tree.leaves(_heads_of(second)), jax.tree.leaves(_heads_of(first))
+  assert len(started) == len(trained) > 0
+  for a, b in zip(started, trained):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert (second / 'draft_vocab.json').read_text() == (first / 'draft_vocab.json').read_text()
+  # Fresh heads would not be the first run's.
+  fresh = tmp_path / 'fresh'
+  trainer_lib.train_and_evaluate(_heads_config(trained_workdir, **{
+      **settings, 'num_train_steps': 1, 'optim.learning_rate': 1e-12}), fresh)
+  assert any(not np.allclose(a, b, atol=1e-3)
+             for a, b in zip(jax.tree.leaves(_heads_of(fresh)), trained))
+
+  for overrides, message in [
+      ({'model.mtp_num_heads': 3}, r'model.mtp_num_heads: 2 there, 3 configured'),
+      ({'model.mtp_head_type': 'sequential'}, r"model.mtp_head_type: 'medusa' there"),
+      ({'mtp_head_draft_vocab': 0}, r'mtp_head_draft_vocab: 40 there, 0 configured'),
+  ]:
+    misfit = tmp_path / 'misfit'
+    with pytest.raises(ValueError, match=message):
+      trainer_lib.train_and_evaluate(_heads_config(trained_workdir, **{
+          **settings, 'init_heads_from': str(first), **overrides}), misfit)
+    assert not (misfit / 'config.json').exists()  # Refused before anything was written.
