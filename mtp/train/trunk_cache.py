@@ -202,7 +202,8 @@ def _build(directory: str | os.PathLike, names: list[str], num_rows: int, batch_
   if all((directory / f'{name}.npy').exists() for name in names):
     return load(directory, names)
   directory.parent.mkdir(parents=True, exist_ok=True)
-  lock = open(directory.with_name(f'{directory.name}.partial.lock'), 'w')
+  lock_path = directory.with_name(f'{directory.name}.partial.lock')
+  lock = open(lock_path, 'w')
   try:
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     tmp, resumable = directory.with_name(f'{directory.name}.partial'), True
@@ -243,7 +244,7 @@ def _build(directory: str | os.PathLike, names: list[str], num_rows: int, batch_
     else:
       tmp.replace(directory)
     if resumable:
-      directory.with_name(f'{directory.name}.partial.lock').unlink(missing_ok=True)
+      lock_path.unlink(missing_ok=True)
   except BaseException:
     if not resumable:  # Nobody resumes a private copy.
       shutil.rmtree(tmp, ignore_errors=True)

@@ -1,5 +1,7 @@
 """Heads trained on cached frozen-trunk states, and self-distillation targets."""
 
+import fcntl
+
 import jax
 import numpy as np
 import pytest
@@ -243,7 +245,6 @@ def test_a_partial_pass_over_other_rows_is_built_again(tmp_path):
 
 
 def test_a_pass_already_owned_by_another_process_builds_a_private_copy(tmp_path):
-  import fcntl
   arrays, kwargs = _rows(4), dict(batch_size=3, store_hidden=False)
   with open(tmp_path / 'key.partial.lock', 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # As another process building the same key would.
