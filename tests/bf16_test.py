@@ -10,13 +10,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from mtp.decode import speculative_test
 from mtp.decode import testing as decode_testing
 from mtp.decode import trees
+from mtp.model import kv_cache
 from mtp.model import mtp_model
 from mtp.model import testing
+from mtp.model import transformer
 from mtp.train import step as step_lib
 from mtp.train import testing as train_testing
 from mtp.train import trainer_test
@@ -83,3 +86,83 @@ def test_bfloat16_speculative_greedy_equals_bfloat16_autoregressive():
     np.testing.assert_array_equal(out.tokens, ref)
     if mode == speculative_test.ORACLE:  # Whole paths verified at once: several tokens a step.
       assert np.all(np.asarray(out.num_steps) < np.asarray(reference.num_generated) - 1)
+
+
+def _steps_and_block(model, tokens, prompt_len: int, block: int):
+  """Logits [B, block, V] of `block` tokens after a prompt: from one-token steps, and from one
+  verification pass over the whole block."""
+
+  @nnx.jit
+  def step(model, new, cache, start):
+    b, t = new.shape
+    lengths = jnp.full((b,), start, jnp.int32)
+    out, cache = model.step(new, lengths[:, None] + jnp.arange(t)[None], cache, lengths)
+    return model.logits(out.normed), cache
+
+  b = tokens.shape[0]
+  _, cache = step(model, tokens[:, :prompt_len], model.init_cache(b, 128), 0)
+  whole, _ = step(model, tokens[:, prompt_len:prompt_len + block], cache, prompt_len)
+  one_by_one = []
+  for j in range(block):
+    logits, cache = step(model, tokens[:, prompt_len + j:prompt_len + j + 1], cache,
+                         prompt_len + j)
+    one_by_one.append(logits[:, 0])
+  return np.stack(one_by_one, axis=1), np.asarray(whole)
+
+
+@pytest.mark.parametrize('batch', [1, 2])
+def test_bfloat16_one_token_steps_equal_a_verification_blocks_rows_bit_for_bit(batch):
+  """What greedy exactness in bfloat16 rests on (`mtp.model.products`): each token's logits
+  from one-token steps and from a block of 8 are the same bits, at batches 1 and 2 (fewer
+  rows than the row-invariant kernel takes: padded)."""
+  model = transformer.fused_projections(_bf16_model('eagle'))
+  tokens = jnp.asarray(testing.random_tokens((batch, 20), 61, seed=2))
+  one_by_one, whole = _steps_and_block(model, tokens, 12, 8)
+  assert whole.dtype == np.float32
+  np.testing.assert_array_equal(one_by_one, whole)
+
+
+def test_bfloat16_speculative_greedy_equals_autoregressive_at_batch_one():
+  model = _bf16_model('eagle')
+  prompts = testing.random_tokens((1, 9), 61, seed=3)
+  new = 24
+  reference = decode_testing.decode(model, prompts, decoder='autoregressive',
+                                    max_new_tokens=new)
+  ref = np.asarray(reference.tokens)
+  tree = speculative_test.TREE
+  hook = speculative_test.ReferenceDrafts(trees.static_tree(tree, model.cfg.mtp_num_heads), 61)
+  for mode in (speculative_test.MODEL_DRAFTS, speculative_test.ORACLE):
+    out = decode_testing.decode(model, prompts, max_new_tokens=new, tree=tree, draft_hook=hook,
+                                hook_data=speculative_test._hook_data(ref, mode))
+    np.testing.assert_array_equal(out.tokens, ref)
+
+
+@pytest.mark.parametrize('committed', [20, 124])  # 124: the tree crosses a chunk's end.
+def test_bfloat16_tree_attention_equals_each_paths_own_attention_bit_for_bit(committed):
+  """A tree node's attention in a verification block equals its attention when its path is
+  decoded token by token (ancestors committed in order), whatever slots the tree gave them."""
+  parents = [-1, 0, 0, 1, 1, 2, 3, 5]
+  n = len(parents)
+  mask = np.zeros((n, n), bool)
+  for node, parent in enumerate(parents):
+    mask[node, node] = True
+    if parent >= 0:
+      mask[node] |= mask[parent]
+  rng = np.random.default_rng(4)
+  heads, groups, dim, slots = 6, 2, 16, 256
+  keys = rng.normal(size=(1, slots, groups, dim))
+  values = rng.normal(size=(1, slots, groups, dim))
+  q = jnp.asarray(rng.normal(size=(1, n, heads, dim)), jnp.bfloat16)
+  attend = jax.jit(kv_cache.attend)
+  lengths = jnp.asarray([committed], jnp.int32)
+  block = np.asarray(attend(q, jnp.asarray(keys, jnp.bfloat16), jnp.asarray(values, jnp.bfloat16),
+                            lengths, jnp.asarray(mask)), np.float32)
+  for node in range(n):
+    path = np.flatnonzero(mask[node])  # Its ancestors, then itself.
+    k, v = keys.copy(), values.copy()
+    k[:, committed:committed + len(path)] = keys[:, committed + path]
+    v[:, committed:committed + len(path)] = values[:, committed + path]
+    alone = attend(q[:, node:node + 1], jnp.asarray(k, jnp.bfloat16),
+                   jnp.asarray(v, jnp.bfloat16), lengths + len(path) - 1,
+                   jnp.ones((1, 1), bool))
+    np.testing.assert_array_equal(np.asarray(alone, np.float32)[0, 0], block[0, node])

@@ -26,6 +26,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from mtp.model import products
+
 
 @flax.struct.dataclass
 class KVCache:
@@ -185,41 +187,160 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
   if s % CHUNK:
     raise ValueError(f'the cache holds {s} slots, not a multiple of {CHUNK} (init_cache)')
   queries = q.reshape(b, t, g, h // g, d).astype(jnp.float32) * d ** -0.5
+  # In half precision on CPU, decoding is exact only if a query row's result has the same bits
+  # in any block (`products`): sums in a fixed order instead of XLA's shape-dependent ones.
+  fixed_order = products.on_fast_path(q.dtype)
   block_mask = jnp.broadcast_to(block_mask, (b, t, n))
   lengths = lengths.astype(jnp.int32)
 
-  def chunk(i, carry):
-    top, total, acc = carry  # [B, G, R, T], [B, G, R, T], [B, G, R, T, d]
-    start = i * CHUNK
-    k = _read(keys, start, CHUNK).astype(jnp.float32)
-    v = _read(values, start, CHUNK).astype(jnp.float32)
-    relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
-    in_block = jnp.take_along_axis(
-        block_mask, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
-        axis=2) & ((relative >= 0) & (relative < n))[:, None, :]
-    visible = (relative < 0)[:, None, :] | in_block  # [B, T, C]
-    scores = jnp.einsum('btgrd,bcgd->bgrtc', queries, k)
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
-    shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
-    # A chunk that no query sees leaves the carry exactly as it was (scale 1, p 0).
-    scale = jnp.exp(top - shift)
-    p = jnp.exp(scores - shift[..., None])
-    return (new_top, total * scale + jnp.sum(p, axis=-1),
-            acc * scale[..., None] + jnp.einsum('bgrtc,bcgd->bgrtd', p, v))
+  if fixed_order:
+    chunk = _logical_chunks(q, keys, values, lengths, block_mask)
+  else:
+    def chunk(i, carry):
+      start = i * CHUNK
+      k = _read(keys, start, CHUNK).astype(jnp.float32)
+      v = _read(values, start, CHUNK).astype(jnp.float32)
+      relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
+      in_block = jnp.take_along_axis(
+          block_mask, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
+          axis=2) & ((relative >= 0) & (relative < n))[:, None, :]
+      visible = (relative < 0)[:, None, :] | in_block  # [B, T, C]
+      return _online_softmax_step(carry, jnp.einsum('btgrd,bcgd->bgrtc', queries, k), visible,
+                                  lambda p: jnp.einsum('bgrtc,bcgd->bgrtd', p, v), False)
 
   num_chunks = (jnp.max(lengths) + n + CHUNK - 1) // CHUNK
   shape = (b, g, h // g, t)
   carry = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,)))
   if own is not None:  # The softmax starts from the queries' own keys.
     own_k, own_v, own_visible = own
-    scores = jnp.einsum('btgrd,btegd->bgrte', queries, own_k.astype(jnp.float32))
+    own_k = own_k.astype(jnp.float32)
+    scores = (products.ordered_sum(jnp.transpose(queries, (0, 2, 3, 1, 4))[:, :, :, :, None]
+                                   * jnp.transpose(own_k, (0, 3, 1, 2, 4))[:, :, None], -1)
+              if fixed_order else jnp.einsum('btgrd,btegd->bgrte', queries, own_k))
     visible = jnp.broadcast_to(own_visible, (b, t, own_k.shape[2]))[:, None, None]
     scores = jnp.where(visible, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
-    carry = (top, jnp.sum(p, axis=-1),
-             jnp.einsum('bgrte,btegd->bgrtd', p, own_v.astype(jnp.float32)))
+    own_v = own_v.astype(jnp.float32)
+    weighted = (products.ordered_sum(p[..., None] * jnp.transpose(own_v, (0, 3, 1, 2, 4))[
+        :, :, None], -2) if fixed_order else jnp.einsum('bgrte,btegd->bgrtd', p, own_v))
+    carry = (top, _sum(p, fixed_order), weighted)
   _, total, acc = jax.lax.fori_loop(0, jnp.minimum(num_chunks, s // CHUNK), chunk, carry)
   out = acc / total[..., None]
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q.dtype)
+
+
+def _online_softmax_step(carry, scores: jax.Array, visible: jax.Array, weighted,
+                         fixed_order: bool):
+  """One chunk of the online softmax: carry (top, total, acc) [B, G, R, T], [B, G, R, T],
+  [B, G, R, T, d]; scores [B, G, R, T, C]; visible [B, T, C]; weighted(p) = p . values."""
+  top, total, acc = carry
+  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+  shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+  # A chunk that no query sees leaves the carry exactly as it was (scale 1, p 0).
+  scale = jnp.exp(top - shift)
+  p = jnp.exp(scores - shift[..., None])
+  return (new_top, total * scale + _sum(p, fixed_order),
+          acc * scale[..., None] + weighted(p))
+
+
+def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array):
+  """`attend`'s chunk step in half precision on CPU, where each query's result must have the
+  same bits as when its token is decoded alone (`products`: exact decoding).
+
+  Alone, a token at position P sees slots [0, P], its ancestors committed in order. In a block
+  its ancestors sit at block slots wherever the tree put them. So each query reads its keys in
+  *logical* order: chunk slot c holds logical position start + c, the committed slot below the
+  row's length and the query's j-th visible block token from there on. Chunks that every row
+  has committed are the same for all queries and are read once; in the others each query's
+  scores and values are gathered into its logical order. The products are row-invariant (a
+  score or a sum has the same bits whichever block computes it) and the sums run in a fixed
+  order, so nothing depends on the block's shape. A block whose every query sees a
+  prefix of it (one token, a chain) is already in logical order: it is read once too.
+  """
+  b, t, h, d = q.shape
+  n = block_mask.shape[-1]
+  # Each query's visible block tokens in index order (its ancestors, then itself).
+  order = jnp.argsort(~block_mask, axis=-1, stable=True).astype(jnp.int32)  # [B, T, N]
+  count = jnp.sum(block_mask, axis=-1, dtype=jnp.int32)  # [B, T]
+  in_order = jnp.all(block_mask == (jnp.arange(n) < count[..., None]))
+  block_scores = _shared_scores(q, _read_blocks(keys, lengths, n))  # [B, G, R, T, N]
+  block_values = _read_blocks(values, lengths, n)  # [B, N, G, d]
+  gather = jax.vmap(lambda block, index: block[index])  # [N, G, d], [T, C] -> [T, C, G, d]
+
+  def chunk(i, carry):
+    start = i * CHUNK
+    k, v = _read(keys, start, CHUNK), _read(values, start, CHUNK)  # [B, C, G, d]
+    relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
+    visible = relative[:, None, :] < count[:, :, None]  # [B, T, C]
+
+    def shared(_):
+      return _online_softmax_step(carry, _shared_scores(q, k), visible,
+                                  lambda p: _shared_weighted(p, v, q.dtype), True)
+
+    def per_query(_):
+      index = jnp.take_along_axis(
+          order, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
+          axis=2)  # [B, T, C]
+      committed = (relative < 0)[:, None, :]  # [B, 1, C]
+      # A score is one query's dot product with one key: the same bits wherever it is computed.
+      scores = jnp.where(committed[:, None, None], _shared_scores(q, k), jnp.take_along_axis(
+          block_scores, index[:, None, None], axis=-1))
+      query_values = jnp.where(committed[..., None, None], v[:, None],
+                               gather(block_values, index))
+      return _online_softmax_step(carry, scores, visible,
+                                  lambda p: _query_weighted(p, query_values, q.dtype), True)
+
+    if n == 1:
+      return shared(None)
+    return jax.lax.cond(in_order | (start + CHUNK <= jnp.min(lengths)), shared, per_query, None)
+
+  return chunk
+
+
+def _read_blocks(buffer, lengths: jax.Array, n: int) -> jax.Array:
+  """Each row's block slots [lengths, lengths + n): [B, n, ...]."""
+  if isinstance(buffer, RowView):
+    return buffer.read(lengths[0], n)
+  return jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, n, 0))(
+      buffer, lengths)
+
+
+def _rows(q: jax.Array, g: int) -> jax.Array:
+  b, t, h, d = q.shape
+  return q.reshape(b, t, g, h // g, d)
+
+
+def _shared_scores(q: jax.Array, keys: jax.Array) -> jax.Array:
+  """q [B, T, H, d] . keys [B, C, G, d] -> scaled scores [B, G, R, T, C] (float32), in one
+  row-invariant half-precision product per group."""
+  b, t, h, d = q.shape
+  g = keys.shape[2]
+  rows = jnp.transpose(_rows(q, g), (0, 2, 1, 3, 4)).reshape(b, g, t * (h // g), d)
+  scores = jnp.einsum('bgmd,bcgd->bgmc', products.padded_rows(rows, 2), keys.astype(q.dtype),
+                      preferred_element_type=jnp.float32)[:, :, :t * (h // g)]
+  return jnp.transpose(scores.reshape(b, g, t, h // g, -1), (0, 1, 3, 2, 4)) * d ** -0.5
+
+
+def _shared_weighted(p: jax.Array, values: jax.Array, dtype) -> jax.Array:
+  """p [B, G, R, T, C] (rounded to `dtype`) . values [B, C, G, d] -> [B, G, R, T, d]."""
+  b, g, r, t, c = p.shape
+  rows = jnp.transpose(p, (0, 1, 3, 2, 4)).reshape(b, g, t * r, c).astype(dtype)
+  out = jnp.einsum('bgmc,bcgd->bgmd', products.padded_rows(rows, 2), values.astype(dtype),
+                   preferred_element_type=jnp.float32)[:, :, :t * r]
+  return jnp.transpose(out.reshape(b, g, t, r, -1), (0, 1, 3, 2, 4))
+
+
+def _query_weighted(p: jax.Array, values: jax.Array, dtype) -> jax.Array:
+  """p [B, G, R, T, C] . each query's own values [B, T, C, G, d] -> [B, G, R, T, d]: the same
+  bits as `_shared_weighted` where the values are the same."""
+  r = p.shape[2]
+  rows = jnp.transpose(p, (0, 3, 1, 2, 4)).astype(dtype)  # [B, T, G, R, C]
+  out = jnp.einsum('btgrc,btcgd->btgrd', products.padded_rows(rows, 3), values.astype(dtype),
+                   preferred_element_type=jnp.float32)[:, :, :, :r]
+  return jnp.transpose(out, (0, 2, 3, 1, 4))
+
+
+def _sum(p: jax.Array, fixed_order: bool) -> jax.Array:
+  return products.ordered_sum(p, -1) if fixed_order else jnp.sum(p, axis=-1)

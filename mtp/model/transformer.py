@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.model import products
 from mtp.parallel import mesh as mesh_lib
 
 Array = jax.Array
@@ -133,7 +134,7 @@ class Attention(nnx.Module):
     out_init = nnx.initializers.normal((cfg.num_attention_heads * cfg.head_dim) ** -0.5
                                        / (2 * cfg.num_layers) ** 0.5)
     common = dict(use_bias=False, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
-                  rngs=rngs)
+                  dot_general=products.dot_general, rngs=rngs)
     self.q_proj = nnx.Linear(cfg.embed_dim, cfg.num_attention_heads * cfg.head_dim,
                              kernel_init=partitioned(init, 'embed', 'heads'), **common)
     self.k_proj = nnx.Linear(cfg.embed_dim, cfg.num_kv_heads * cfg.head_dim,
@@ -204,7 +205,7 @@ class MLP(nnx.Module):
     init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
     out_init = nnx.initializers.normal(cfg.mlp_dim ** -0.5 / (2 * cfg.num_layers) ** 0.5)
     common = dict(use_bias=False, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
-                  rngs=rngs)
+                  dot_general=products.dot_general, rngs=rngs)
     self.gate = nnx.Linear(cfg.embed_dim, cfg.mlp_dim,
                            kernel_init=partitioned(init, 'embed', 'mlp'), **common)
     self.up = nnx.Linear(cfg.embed_dim, cfg.mlp_dim,
@@ -229,7 +230,7 @@ class FusedLinear(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     x, kernel = nnx.nn.dtypes.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
-    return jnp.einsum('...d,...df->...f', x, kernel)
+    return products.einsum('...d,...df->...f', x, kernel)
 
 
 def fused_projections(model: nnx.Module) -> nnx.Module:
@@ -253,8 +254,21 @@ def fused_projections(model: nnx.Module) -> nnx.Module:
   return fused
 
 
+class RMSNorm(nnx.RMSNorm):
+  """`nnx.RMSNorm`; in half precision on CPU its mean of squares is summed in a fixed order,
+  so a row normalises to the same bits in any block (`products`: decoding stays exact)."""
+
+  def __call__(self, x: Array, mask: Array | None = None) -> Array:
+    if mask is not None or not products.on_fast_path(self.dtype or x.dtype):
+      return super().__call__(x, mask)
+    x, scale = self.promote_dtype((x, self.scale[...]), dtype=self.dtype)
+    wide = x.astype(jnp.float32)
+    mean_square = products.ordered_sum(wide * wide, -1, keepdims=True) / x.shape[-1]
+    return (x * (jax.lax.rsqrt(mean_square + self.epsilon) * scale)).astype(self.dtype)
+
+
 def rms_norm(cfg: TransformerConfig, *, rngs: nnx.Rngs, features: int | None = None):
-  return nnx.RMSNorm(features or cfg.embed_dim, epsilon=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
+  return RMSNorm(features or cfg.embed_dim, epsilon=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
                      param_dtype=dtype_of(cfg.param_dtype),
                      scale_init=partitioned(nnx.initializers.ones_init(), 'norm'), rngs=rngs)
 
@@ -399,9 +413,11 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       # Contract the embedding [V, D] in place: `x @ E.T` made XLA:CPU copy the transposed
       # matrix (V x D floats) on every call, which halved the speed of few-row projections.
-      return jnp.einsum('...d,vd->...v', normed, self.embedding.embedding[...].astype(dtype),
-                        preferred_element_type=jnp.float32)
-    return jnp.dot(normed, self.output[...].astype(dtype), preferred_element_type=jnp.float32)
+      weights = self.embedding.embedding[...].astype(dtype)
+      return products.einsum('...d,vd->...v', normed, weights,
+                             preferred_element_type=jnp.float32)
+    return products.einsum('...d,dv->...v', normed, self.output[...].astype(dtype),
+                           preferred_element_type=jnp.float32)
 
   def __call__(self, tokens: Array, positions: Array, segment_ids: Array | None = None, *,
                cache: kv_cache_lib.KVCache | None = None, lengths: Array | None = None,

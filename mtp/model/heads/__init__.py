@@ -59,6 +59,7 @@ from flax import nnx
 
 from mtp.model import flops
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.model import products
 from mtp.model import transformer
 from mtp.model.heads import tree_drafts
 from mtp.model.heads.legacy import is_legacy_tree, upgrade_legacy_tree  # noqa: F401  (the API)
@@ -416,9 +417,10 @@ class DraftProjection:
     if self.vocab is None:
       return self.trunk.logits(x)
     if self.trunk.cfg.tie_embeddings:
-      return jnp.einsum('...d,nd->...n', x, self.vocab.weights,
-                        preferred_element_type=jnp.float32)
-    return jnp.dot(x, self.vocab.weights, preferred_element_type=jnp.float32)
+      return products.einsum('...d,nd->...n', x, self.vocab.weights,
+                             preferred_element_type=jnp.float32)
+    return products.einsum('...d,dn->...n', x, self.vocab.weights,
+                           preferred_element_type=jnp.float32)
 
   def token_ids(self, index: Array) -> Array:
     """Indices into the N logits (any shape) -> token ids."""

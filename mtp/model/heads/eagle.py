@@ -111,6 +111,7 @@ from flax import nnx
 from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.model import products
 from mtp.model import transformer
 from mtp.model.heads import sequential
 from mtp.model.heads import tree_drafts
@@ -146,7 +147,7 @@ def _linear(cfg: transformer.TransformerConfig, in_features: int, out_features: 
   """A bias-free projection initialised for unit-scale inputs (normal(in^-1/2))."""
   return nnx.Linear(
       in_features, out_features, use_bias=False, dtype=transformer.dtype_of(cfg.dtype),
-      param_dtype=transformer.dtype_of(cfg.param_dtype),
+      param_dtype=transformer.dtype_of(cfg.param_dtype), dot_general=products.dot_general,
       kernel_init=transformer.partitioned(nnx.initializers.normal(in_features ** -0.5), *axes),
       rngs=rngs)
 

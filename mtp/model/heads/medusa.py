@@ -21,6 +21,7 @@ from flax import nnx
 from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.model import products
 from mtp.model import transformer
 
 Array = jax.Array
@@ -32,7 +33,7 @@ class ResBlock(nnx.Module):
   def __init__(self, cfg: transformer.TransformerConfig, *, rngs: nnx.Rngs):
     self.linear = nnx.Linear(
         cfg.embed_dim, cfg.embed_dim, dtype=transformer.dtype_of(cfg.dtype),
-        param_dtype=transformer.dtype_of(cfg.param_dtype),
+        param_dtype=transformer.dtype_of(cfg.param_dtype), dot_general=products.dot_general,
         kernel_init=transformer.partitioned(nnx.initializers.zeros_init(), 'embed', 'mlp'),
         bias_init=transformer.partitioned(nnx.initializers.zeros_init(), 'mlp'), rngs=rngs)
 

@@ -32,6 +32,7 @@ from flax import nnx
 from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.model import products
 from mtp.model import transformer
 
 Array = jax.Array
@@ -46,7 +47,7 @@ class SequentialModule(nnx.Module):
     self.embed_norm = transformer.rms_norm(cfg, rngs=rngs)
     self.proj = nnx.Linear(
         2 * cfg.embed_dim, cfg.embed_dim, use_bias=False, dtype=transformer.dtype_of(cfg.dtype),
-        param_dtype=transformer.dtype_of(cfg.param_dtype),
+        param_dtype=transformer.dtype_of(cfg.param_dtype), dot_general=products.dot_general,
         kernel_init=transformer.partitioned(
             nnx.initializers.normal((2 * cfg.embed_dim) ** -0.5), 'mlp', 'embed'), rngs=rngs)
     self.block = transformer.Block(cfg, rngs=rngs)

@@ -1,0 +1,97 @@
+"""Matrix products that keep XLA:CPU on its fast, row-invariant half-precision kernel.
+
+On XLA:CPU a bfloat16 (or float16) product whose sums accumulate in float32 and whose left
+operand has 3 rows or more runs a kernel that is fast (2 to 16 rows cost about one float32 row;
+8 rows about half of float32's 8) and row-invariant: each row's result has the same bits
+whatever the other rows are and however many (measured to 256 rows; `products_test` keeps the
+claim). With one or two rows, or with a half-precision result, XLA takes other paths: up to 9x
+slower than float32, and with other bits.
+
+So on CPU, half-precision products here accumulate in float32 and round the result to the
+inputs' type (what a half-precision product rounds), and a left operand of fewer than 3 rows
+gets zero rows up to `MIN_ROWS` whose results are dropped. A one-token decoding step then
+computes every product bit for bit as a verification block does, so speculative decoding in
+bfloat16 equals its own autoregressive decoding exactly. Float32 products and other backends
+are left as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ROW_INVARIANT_ROWS = 3  # The fewest left rows that take the row-invariant kernel.
+MIN_ROWS = 4  # Fewer than ROW_INVARIANT_ROWS are padded to this (4 measured faster than 3).
+
+
+def on_fast_path(dtype) -> bool:
+  """Whether products of this input dtype run here on the padded, float32-accumulated path."""
+  return jnp.dtype(dtype) in _HALF and jax.default_backend() == 'cpu'
+
+
+def padded_rows(x: Array, axis: int) -> Array:
+  """x with zero rows appended along `axis` up to MIN_ROWS where it has fewer than
+  ROW_INVARIANT_ROWS (slice the product's rows back to x's)."""
+  m = x.shape[axis]
+  if m >= ROW_INVARIANT_ROWS:
+    return x
+  shape = list(x.shape)
+  shape[axis] = MIN_ROWS - m
+  return jnp.concatenate([x, jnp.zeros(shape, x.dtype)], axis)
+
+
+def _by_rows(fn: Callable[[Array], Array], x: Array, dtype) -> Array:
+  """fn(x) for a product `fn` over x's last axis whose result's leading axes are x's [...],
+  run as one [M, D] operand of at least ROW_INVARIANT_ROWS rows, rounded to `dtype`."""
+  lead = x.shape[:-1]
+  rows = x.reshape(-1, x.shape[-1])
+  out = fn(padded_rows(rows, 0))[:rows.shape[0]]
+  return out.reshape(lead + out.shape[1:]).astype(dtype)
+
+
+def einsum(spec: str, x: Array, w: Array, *, preferred_element_type=None) -> Array:
+  """`jnp.einsum(spec, x, w)` for a spec of the form '...d,<w>->...<out>': x's last axis is
+  contracted and its leading axes, all free, lead the result (a linear layer, logits)."""
+  if not on_fast_path(x.dtype):
+    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+  return _by_rows(lambda rows: jnp.einsum(spec, rows, w, preferred_element_type=jnp.float32),
+                  x, preferred_element_type or jnp.result_type(x, w))
+
+
+def dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
+                preferred_element_type=None, **kwargs) -> Array:
+  """`jax.lax.dot_general` on the fast path where it contracts lhs's last axis with rhs's
+  first, as `nnx.Linear` does (its `dot_general`); other products as they are."""
+  (lhs_contract, rhs_contract), (lhs_batch, _) = dimension_numbers
+  if (lhs_batch or tuple(lhs_contract) != (lhs.ndim - 1,) or tuple(rhs_contract) != (0,)
+      or not on_fast_path(lhs.dtype)):
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **kwargs)
+  dims = (((1,), (0,)), ((), ()))
+  return _by_rows(lambda rows: jax.lax.dot_general(
+      rows, rhs, dims, precision=precision, preferred_element_type=jnp.float32, **kwargs),
+      lhs, preferred_element_type or jnp.result_type(lhs, rhs))
+
+
+def ordered_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+  """The sum along `axis` by a fixed tree of elementwise additions (halves added pairwise).
+
+  An XLA:CPU reduction is vectorised by the whole array's shape, so a row's sum can take other
+  bits in a block of other rows. Elementwise additions cannot: this sum of a row has the same
+  bits in any block (what `ordered_sum`'s callers need beside the row-invariant products).
+  """
+  axis = axis % x.ndim
+  n = x.shape[axis]
+  while n > 1:
+    half = n // 2
+    total = (jax.lax.slice_in_dim(x, 0, half, axis=axis)
+             + jax.lax.slice_in_dim(x, half, 2 * half, axis=axis))
+    if n % 2:
+      total = jnp.concatenate([total, jax.lax.slice_in_dim(x, 2 * half, n, axis=axis)], axis)
+    x, n = total, total.shape[axis]
+  return x if keepdims else jnp.squeeze(x, axis)
