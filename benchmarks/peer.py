@@ -2,9 +2,10 @@ r"""mtp against Hugging Face transformers on the same SmolLM2 weights, side by s
 
   python -m benchmarks.peer [--workdir=workdirs/smollm2_heads] [--repeats=3]
 
-Both stacks run SmolLM2-135M-Instruct from one GGUF file, dequantised to float32, on the CPU:
-transformers reads the file itself; mtp reads the workdir `launch.import_weights` made from it
-(--base_workdir), or that trunk with Medusa heads trained on the standard library (--workdir).
+Both stacks run SmolLM2-135M-Instruct from one GGUF file, dequantised to float32 (or, with
+--dtype=bfloat16, rounded to bfloat16 on both sides), on the CPU: transformers reads the file
+itself; mtp reads the workdir `launch.import_weights` made from it (--base_workdir), or that
+trunk with Medusa heads trained on the standard library (--workdir).
 
 Prompts, never seen by the heads (they trained on the standard library's source):
   * code: the first lines of code of installed non-stdlib packages (absl, ml_collections),
@@ -90,6 +91,8 @@ flags.DEFINE_integer('draft_vocab', None, 'The heads draft over this many most f
                      'their training data (FR-Spec, `mtp.generate(draft_vocab=)`); 0: all; '
                      'default: each decoder\'s own.')
 flags.DEFINE_integer('threads', None, 'torch and llama.cpp threads (default: all cores).')
+flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Weights and activations of '
+                  'both transformers and mtp (`mtp.load(dtype=)`).')
 flags.DEFINE_bool('llama_cpp', True, 'llama.cpp rows (where llama-cpp-python is installed).')
 flags.DEFINE_string('output', 'results/peer.json', 'JSON results.')
 flags.DEFINE_string('table', 'results/peer.md', 'The markdown table.')
@@ -159,7 +162,7 @@ class _WithoutEos:
 
 
 def load_hf(gguf: pathlib.Path):
-  """transformers' model (float32, eval) and tokenizer, both read from the GGUF file."""
+  """transformers' model (in --dtype, eval) and tokenizer, both read from the GGUF file."""
   import torch
   import transformers
   transformers.utils.logging.set_verbosity_error()
@@ -167,7 +170,7 @@ def load_hf(gguf: pathlib.Path):
   kwargs = dict(gguf_file=gguf.name)
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(gguf.parent), dtype=torch.float32, **kwargs)
+      str(gguf.parent), dtype=getattr(torch, FLAGS.dtype), **kwargs)
   return model.eval(), tokenizer
 
 
@@ -435,8 +438,8 @@ def report_markdown(result: dict) -> str:
            'no heads')
   load = result['load_average']['start'][0]
   return (
-      f'{pathlib.Path(result["gguf"]).name} in float32 (llama.cpp: its own quantised '
-      f'weights): mtp {result["workdir"]} '
+      f'{pathlib.Path(result["gguf"]).name} in {result["dtype"]} (llama.cpp: its own '
+      f'quantised weights): mtp {result["workdir"]} '
       f'({heads}, step {result["step"]}) vs transformers '
       f'{result["versions"]["transformers"]}; {result["num_prompts"]} prompts per kind, greedy, '
       f'{result["max_new_tokens"]} new tokens (EOS ignored), median of {result["repeats"]}; '
@@ -477,8 +480,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax.set(ylabel='tokens/s (labels: speedup over HF greedy)',
            title=f'{kind} prompts, {result["max_new_tokens"]} new tokens, greedy')
     ax.legend(fontsize=8)
-  fig.suptitle(f'{pathlib.Path(result["gguf"]).name} in float32 on {result["threads"]} CPU '
-               'threads: mtp vs transformers', fontsize=10)
+  fig.suptitle(f'{pathlib.Path(result["gguf"]).name} in {result["dtype"]} on '
+               f'{result["threads"]} CPU threads: mtp vs transformers', fontsize=10)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
@@ -504,7 +507,7 @@ def load_mtp():
   import mtp
   for workdir in (FLAGS.workdir, FLAGS.base_workdir):
     if (pathlib.Path(workdir) / 'config.json').exists():
-      return mtp.load(workdir)
+      return mtp.load(workdir, dtype=FLAGS.dtype)
   raise app.UsageError(
       f'Neither {FLAGS.workdir} nor {FLAGS.base_workdir} is an mtp workdir; make one with '
       f'python -m launch.import_weights --source=smollm2 --workdir={FLAGS.base_workdir}')
@@ -549,7 +552,8 @@ def main(argv):
       optim_mode=loaded.config.get('optim', {}).get('mode'), gguf=str(gguf),
       num_prompts=FLAGS.num_prompts, max_new_tokens=FLAGS.max_new_tokens,
       repeats=FLAGS.repeats, prompt_lookup_num_tokens=FLAGS.prompt_lookup_num_tokens,
-      tree=FLAGS.tree, threads=threads, cores=os.cpu_count(), device=cost_model.device_kind(),
+      tree=FLAGS.tree, dtype=FLAGS.dtype, threads=threads, cores=os.cpu_count(),
+      device=cost_model.device_kind(),
       load_average=dict(start=load_start, end=os.getloadavg()),
       versions=dict(jax=jax.__version__, torch=torch.__version__,
                     transformers=transformers.__version__),

@@ -42,6 +42,10 @@ FLAGS = flags.FLAGS
 PROGRAM = 'launch.generate'
 flags.DEFINE_string('workdir', None, 'Trained workdir (checkpoints, config, tokenizer), or an '
                     'export directory of launch.export (params or jax_export).')
+flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'], 'Weights and activations in '
+                  'this precision (default: the workdir\'s). On CPU, bfloat16 verifies 8 '
+                  'tokens for about 1.2x one token\'s cost (float32: 2x); decoding stays exact '
+                  'against autoregressive decoding in that precision.')
 flags.DEFINE_string('prompt', None, 'One prompt.')
 flags.DEFINE_string('prompt_file', None, 'JSONL file, one {"prompt": "..."} per line (UTF-8, '
                     'with or without a BOM; LF or CRLF line ends).')
@@ -184,7 +188,7 @@ def main(argv):
 
     import mtp  # After flag parsing: importing JAX is slow.
     printer = OrderedPrinter(prompts) if FLAGS.stream else None
-    loaded = mtp.load(FLAGS.workdir)
+    loaded = mtp.load(FLAGS.workdir, dtype=FLAGS.dtype)
     generations = mtp.generate(
         loaded, prompts, max_new_tokens=FLAGS.max_new_tokens, decoder=FLAGS.decoder,
         temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,

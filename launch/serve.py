@@ -22,6 +22,10 @@ from mtp.decode import decoders
 FLAGS = flags.FLAGS
 PROGRAM = 'launch.serve'
 flags.DEFINE_string('workdir', None, 'Trained workdir (or export directory) to serve.')
+flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'], 'Weights and activations in '
+                  'this precision (default: the workdir\'s). On CPU, bfloat16 verifies 8 '
+                  'tokens for about 1.2x one token\'s cost (float32: 2x); decoding stays exact '
+                  'against autoregressive decoding in that precision.')
 flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on (0.0.0.0: every interface).')
 flags.DEFINE_integer('port', 8000, 'Port to listen on.')
 flags.DEFINE_integer('max_batch', 8, 'Rows decoded together at most.')
@@ -73,7 +77,7 @@ def main(argv):
     import uvicorn  # After flag parsing: importing JAX is slow.
     import mtp
     from mtp.serving import server
-    loaded = mtp.load(FLAGS.workdir)
+    loaded = mtp.load(FLAGS.workdir, dtype=FLAGS.dtype)
     if not isinstance(loaded, mtp.LoadedModel):
       raise ValueError(f'{FLAGS.workdir} is a jax_export artifact: it runs a whole decode per '
                        'call and cannot join continuous batches; serve the training workdir '

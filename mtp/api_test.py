@@ -2,9 +2,11 @@
 
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import mtp
 from mtp.checkpoint import checkpointing
@@ -47,6 +49,22 @@ def test_a_corrupt_tokenizer_is_named(workdir, tmp_path):
 
 
 PROMPTS = ['def add(a, b):\n    return', 'import os\n', 'class Point:\n    def __init__(self']
+
+
+def test_a_model_loads_in_bfloat16_and_decodes_exactly_in_it(workdir):
+  loaded = mtp.load(workdir, dtype='bfloat16')
+  assert loaded.config.model.dtype == loaded.config.model.param_dtype == 'bfloat16'
+  weights = nnx.state(loaded.model, nnx.Param)
+  float32 = nnx.state(mtp.load(workdir).model, nnx.Param)
+  for half, full in zip(jax.tree.leaves(weights), jax.tree.leaves(float32)):
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(half, full.astype(jnp.bfloat16))
+  ar = mtp.generate(loaded, PROMPTS, max_new_tokens=12, decoder='autoregressive', batch_size=1)
+  spec = mtp.generate(loaded, PROMPTS, max_new_tokens=12, batch_size=1)
+  assert [g.tokens for g in spec] == [g.tokens for g in ar]
+  with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float8'"):
+    mtp.load(workdir, dtype='float8')
+
 
 
 def test_generate_speculative_equals_autoregressive_greedy_across_batching(workdir):

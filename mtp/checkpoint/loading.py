@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from etils import epath
 from flax import nnx
@@ -49,9 +50,12 @@ class LoadedModel:
     return self._prepared
 
 
+DTYPES = ('float32', 'bfloat16')
+
+
 def load(workdir: str | os.PathLike, step: int | None = None,
-         device: jax.Device | None = None, scan_layers: bool | None = None
-         ) -> LoadedModel | 'runtime.LoadedArtifact':
+         device: jax.Device | None = None, scan_layers: bool | None = None,
+         dtype: str | None = None) -> LoadedModel | 'runtime.LoadedArtifact':
   """Loads the parameters of the latest (or the given) checkpoint of a training workdir.
 
   `workdir` may also be an export directory (`launch.export`): a params export loads as a
@@ -59,7 +63,12 @@ def load(workdir: str | os.PathLike, step: int | None = None,
 
   The trunk's layers load in the layout `scan_layers` asks for (default: the config's
   `model.scan_layers`), whichever layout the checkpoint holds (`mtp.model.layout`); the returned
-  config says which.
+  config says which. `dtype` ('float32' | 'bfloat16'; default the config's) sets the weights'
+  and activations' precision (`model.param_dtype` and `model.dtype` of the returned config):
+  'bfloat16' halves the weights' bytes; on XLA:CPU a one-token step costs about 1.2x
+  float32's, but verifying 8 tokens costs about 1.2x one token, against 2x in float32
+  (`mtp.model.products`). Decoders stay exact against the loaded model's own autoregressive
+  decoding in its precision, bit for bit.
 
   Raises:
     checkpointing.CheckpointError: the workdir, its config, tokenizer or checkpoint is missing
@@ -79,6 +88,8 @@ def load(workdir: str | os.PathLike, step: int | None = None,
   if exported is not None and exported['format'] != 'params':
     raise ValueError(f'{workdir} is an export in the {exported["format"]} format, which mtp '
                      'does not run: load the training workdir, or a params or jax_export export')
+  if dtype is not None and dtype not in DTYPES:
+    raise ValueError(f'dtype must be one of {", ".join(DTYPES)}, got {dtype!r}')
   config = checkpointing.load_config(workdir)
   if not (workdir / tokenizer_lib.FILENAME).exists():
     raise checkpointing.CheckpointError(f'{workdir / tokenizer_lib.FILENAME} does not exist.')
@@ -94,5 +105,12 @@ def load(workdir: str | os.PathLike, step: int | None = None,
                         abstract_params)
   # A heads-only workdir's trunk comes from its base workdir (base.json): restore_params knows.
   params, step = checkpointing.restore_params(workdir, target, step=step)
+  if dtype is not None and (dtype, dtype) != (config.model.dtype, config.model.param_dtype):
+    with config.unlocked():
+      config.model.dtype = config.model.param_dtype = dtype
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: mtp_model.MTPModel(
+        mtp_model.ModelConfig.from_config(config.model), rngs=nnx.Rngs(0))))
+    params = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
   return LoadedModel(model=nnx.merge(graphdef, params), tokenizer=tokenizer, config=config,
                      step=step, workdir=workdir)
