@@ -1,6 +1,7 @@
 r"""float32 against bfloat16: train step time and decoding speed, side by side in one run.
 
   python -m benchmarks.precision [--config=configs/tiny.py] [--steps=5]
+  python -m benchmarks.precision --workdir=workdirs/smollm2   # + a trained model's cost curve
 
 Training: the joint train step of the config with `model.dtype` float32 and bfloat16 (float32
 parameters and optimizer state in both), the fastest of `--steps` timed steps after compilation,
@@ -8,9 +9,13 @@ as tokens/s. Decoding: a randomly initialised model of the config with float32, 
 weights and activations, greedy autoregressive and speculative (chain of its heads), tokens/s
 of the best of three calls after a warm-up call (compilation excluded).
 
-XLA:CPU has no bfloat16 matrix units: it converts to float32 around each product, so bfloat16
-is expected to be no faster, often slower, here. The figures show that the path runs; the
-speed-up is an accelerator's (TPU, GPU).
+With --workdir, also the verification cost curve of that trained model loaded in each
+precision (`mtp.load(dtype=)`): seconds per cached step of T tokens (`cost_model`), at batch 1.
+
+On XLA:CPU a bfloat16 product is fast only with 3+ rows accumulating in float32, which
+`mtp.model.products` arranges: on an AMX machine a one-token bf16 step costs about 1.2x
+float32's, but 8 tokens cost 1.2x one token against float32's 2x (see the README). Training
+steps and random tiny models show little of it: their products are small.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ config_flags.DEFINE_config_file('config', 'configs/tiny.py', 'Model and batch co
 flags.DEFINE_integer('steps', 10, 'Timed train steps per precision.')
 flags.DEFINE_integer('new_tokens', 64, 'Tokens decoded per row.')
 flags.DEFINE_integer('decode_batch', 4, 'Rows decoded at once.')
+flags.DEFINE_string('workdir', None, 'Also the cost curve of this trained workdir, per dtype.')
+flags.DEFINE_list('token_counts', ['1', '2', '4', '8', '16', '32'], 'T of the cost curve.')
 flags.DEFINE_string('output', 'results/precision.json', 'Where to write the figures.')
 
 
@@ -87,6 +94,21 @@ def decode_speed(config, dtype: str, decoder: str, new_tokens: int, batch: int) 
   return float(np.sum(out.num_generated)) / best
 
 
+def cost_curves(workdir: str, token_counts: list[int]) -> dict:
+  """{dtype: {T: seconds per verification step}} of the workdir's model at batch 1, printed."""
+  import mtp  # pylint: disable=import-outside-toplevel
+  from mtp.decode import cost_model  # pylint: disable=import-outside-toplevel
+  curves = {}
+  for dtype in ('float32', 'bfloat16'):
+    model = mtp.load(workdir, dtype=dtype).model
+    curves[dtype] = cost_model.measure_step_cost(model, token_counts)
+  print(f'\nVerification step of T tokens, {workdir}, batch 1 (ms; relative to T = 1):')
+  for dtype, seconds in curves.items():
+    print(f'{dtype:>9} ' + '  '.join(f'T={t}: {s * 1e3:.1f} ({s / seconds[1]:.2f})'
+                                      for t, s in seconds.items()))
+  return {dtype: {str(t): s for t, s in seconds.items()} for dtype, seconds in curves.items()}
+
+
 def main(argv):
   del argv
   import jax  # pylint: disable=import-outside-toplevel
@@ -114,9 +136,12 @@ def main(argv):
     print(f'{r["dtype"]:>9} {r["train_step_seconds"]:>8.4f} {r["train_tokens_per_sec"]:>12.0f} '
           f'{r["train_peak_bytes"] / 2**20:>9.1f} {r["autoregressive_tokens_per_sec"]:>9.0f} '
           f'{r["speculative_tokens_per_sec"]:>11.0f}')
+  token_counts = sorted({1} | {int(t) for t in FLAGS.token_counts})
+  curves = cost_curves(FLAGS.workdir, token_counts) if FLAGS.workdir else {}
   output = pathlib.Path(FLAGS.output)
   output.parent.mkdir(parents=True, exist_ok=True)
-  output.write_text(json.dumps({'backend': jax.default_backend(), 'rows': rows}, indent=2))
+  output.write_text(json.dumps({'backend': jax.default_backend(), 'rows': rows,
+                                'cost_curves': curves}, indent=2))
   print(f'\nWrote {output}.')
 
 
