@@ -16,6 +16,9 @@ to dozens of tokens), so the default tree size is chosen from a measured curve:
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import platform
 import time
 from typing import Mapping, Sequence
 
@@ -33,10 +36,36 @@ DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32)
 _TABLE = 'step_cost.json'
 
 
+# Vector extensions that change which XLA:CPU kernels run, hence a step's cost curve.
+_CPU_FEATURES = ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')
+
+
+@functools.cache
+def cpu_name() -> str:
+  """The host CPU's model, vector extensions and usable cores, e.g. 'AMD EPYC avx2 2 cores'.
+
+  XLA:CPU's kind is 'cpu' on every CPU, but curves measured on one CPU do not hold on another:
+  SmolLM2's trunk ran 650 tokens/s on one 2-core machine (AVX-512, AMX) and 120 on another
+  (AVX2 only).
+  """
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  try:
+    lines = pathlib.Path('/proc/cpuinfo').read_text().splitlines()
+  except OSError:
+    return f'{platform.processor() or platform.machine()} {cores} cores'
+  fields = dict(line.split(':', 1) for line in lines if ':' in line)  # The last CPU's values.
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  flags = set(fields.get('flags', '').split())
+  features = [f for f in _CPU_FEATURES if f in flags]
+  return ' '.join([fields.get('model name', platform.machine()), *features, f'{cores} cores'])
+
+
 def device_kind() -> str:
-  """Platform and kind of the default device, e.g. 'cpu:cpu' or 'gpu:NVIDIA H200'."""
+  """Platform and kind of the default device, e.g. 'gpu:NVIDIA H200' or, on a CPU, its name
+  (`cpu_name`), e.g. 'cpu:AMD EPYC avx2 2 cores'."""
   device = jax.devices()[0]
-  return f'{device.platform}:{device.device_kind}'
+  kind = cpu_name() if device.platform == 'cpu' else device.device_kind
+  return f'{device.platform}:{kind}'
 
 
 def model_key(model) -> str:

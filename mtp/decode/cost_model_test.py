@@ -70,3 +70,8 @@ def test_steps_are_timed_on_a_binary_tree():
   # Node 4's ancestors are 1 and 0; node 3 is its sibling, not an ancestor.
   np.testing.assert_array_equal(mask[4], [True, True, False, False, True])
   assert mask.sum() == 1 + 2 + 2 + 3 + 3
+
+
+def test_a_cpu_is_named_by_its_model_features_and_cores():
+  kind = cost_model.device_kind()
+  assert kind.startswith('cpu:') and kind.endswith(' cores') and kind != 'cpu:cpu'
