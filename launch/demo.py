@@ -13,7 +13,8 @@ prose prompts greedily at batch 1 with autoregressive decoding and 'auto', the d
 (the heads' tree, prompt-lookup drafts where the text repeats, each kind of drafting stopped
 where it does not pay; `--decoders` adds 'speculative', the heads alone), and prints the
 tokens/s of each, the speedup, the tokens per step, a completion, and whether the outputs
-matched token for token (they must: the exit status is 1 if not).
+matched token for token (they must: the exit status is 1 if not). `--dtype=bfloat16` runs
+that comparison in bfloat16, the autoregressive reference included (`mtp.load(dtype=)`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ flags.DEFINE_integer('decode_repeats', 1, 'Timed runs of each decoder (the best 
 flags.DEFINE_string('decode_tree', None, f'Speculative candidates: {", ".join(trees.NAMES)} or '
                     'JSON rank paths; unset: each decoder\'s own (a chain for speculative, '
                     'auto\'s tree for auto).')
+flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'], 'Precision of the decoding '
+                  'comparison\'s weights and activations (default: the workdir\'s). Every '
+                  'decoder runs in it, the autoregressive reference included.')
 
 
 def print_learning_curve(records: list[dict], num_heads: int, rows: int = 12) -> None:
@@ -220,6 +224,9 @@ def main(argv):
     print(f'  acceptance proxy: {heldout["acceptance_proxy"]:.2f} drafts accepted per step '
           f'(teacher-forced), {1 + heldout["acceptance_proxy"]:.2f} tokens per step')
   if FLAGS.decode_prompts > 0 and num_heads > 0:
+    if FLAGS.dtype is not None:
+      loaded = mtp.load(workdir, dtype=FLAGS.dtype)
+      print(f'\n== Decoding in {FLAGS.dtype}')
     matched = [compare_decoders(loaded, kind, FLAGS.decode_prompts, FLAGS.decode_tokens,
                                 trees.parse(FLAGS.decode_tree), FLAGS.prompt_chars,
                                 FLAGS.decoders, FLAGS.decode_repeats)

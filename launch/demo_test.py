@@ -37,9 +37,10 @@ def _demo(tmp_path, *flags_):
 
 
 def test_the_demo_runs_end_to_end_on_a_tiny_config(tmp_path):
+  """From scratch, decoded in bfloat16 (trained in float32): exact there too."""
   out = _demo(tmp_path, '--decode_kinds=code', '--decoders=speculative,auto',
-              '--decode_repeats=2')
-  assert 'best of 2 runs' in out
+              '--decode_repeats=2', '--dtype=bfloat16')
+  assert 'best of 2 runs' in out and 'Decoding in bfloat16' in out
   for decoder in ('speculative', 'auto'):
     assert re.search(rf'{decoder} .* outputs matched: yes \(2/2 prompts\)', out), out[-2000:]
 
