@@ -79,15 +79,14 @@ def model_key(model) -> str:
           f'{cfg.mtp_num_heads}')
 
 
-def _binary_tree(num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-  """(ancestor mask [N, N], depths [N]) of a balanced binary tree, node i's parent (i - 1) // 2.
+def _binary_tree(num_nodes: int) -> trees_lib.Tree:
+  """A balanced binary tree of num_nodes nodes, root included (node i's parent (i - 1) // 2).
   Steps are timed on a tree, not a chain: in half precision on CPU a tree's attention reads
   its nodes' ancestors in logical order, which a chain does not need (`kv_cache`)."""
-  mask, depths = np.eye(num_nodes, dtype=bool), np.zeros(num_nodes, np.int32)
+  paths = [()]
   for node in range(1, num_nodes):
-    mask[node] |= mask[(node - 1) // 2]
-    depths[node] = depths[(node - 1) // 2] + 1
-  return mask, depths
+    paths.append(paths[(node - 1) // 2] + ((node - 1) % 2,))
+  return trees_lib.tree_from_choices(paths[1:])
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'num_tokens', 'batch_size',
@@ -99,12 +98,12 @@ def _timed_loop(graphdef, params, *, num_tokens: int, batch_size: int, context: 
   model = nnx.merge(graphdef, params)
   cache = model.init_cache(batch_size, context + num_tokens)
   lengths = jnp.full((batch_size,), context, jnp.int32)
-  mask, depths = _binary_tree(num_tokens)
-  positions = lengths[:, None] + jnp.asarray(depths)[None, :]
+  tree = _binary_tree(num_tokens)
+  positions = lengths[:, None] + jnp.asarray(tree.depth)[None, :]
 
   def body(_, carry):
     tokens, cache = carry
-    out, cache = model.step(tokens, positions, cache, lengths, jnp.asarray(mask))
+    out, cache = model.step(tokens, positions, cache, lengths, jnp.asarray(tree.attention_mask))
     logits = model.logits(out.normed)  # Verification needs every node's logits.
     # Feed the argmax back so no iteration can be hoisted or skipped.
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache

@@ -65,8 +65,9 @@ def test_choose_tree_errors():
 
 
 def test_steps_are_timed_on_a_binary_tree():
-  mask, depths = cost_model._binary_tree(5)
-  np.testing.assert_array_equal(depths, [0, 1, 1, 2, 2])
+  tree = cost_model._binary_tree(5)
+  mask = tree.attention_mask
+  np.testing.assert_array_equal(tree.depth, [0, 1, 1, 2, 2])
   # Node 4's ancestors are 1 and 0; node 3 is its sibling, not an ancestor.
   np.testing.assert_array_equal(mask[4], [True, True, False, False, True])
   assert mask.sum() == 1 + 2 + 2 + 3 + 3
