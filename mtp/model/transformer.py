@@ -269,8 +269,8 @@ class RMSNorm(nnx.RMSNorm):
 
 def rms_norm(cfg: TransformerConfig, *, rngs: nnx.Rngs, features: int | None = None):
   return RMSNorm(features or cfg.embed_dim, epsilon=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
-                     param_dtype=dtype_of(cfg.param_dtype),
-                     scale_init=partitioned(nnx.initializers.ones_init(), 'norm'), rngs=rngs)
+                 param_dtype=dtype_of(cfg.param_dtype),
+                 scale_init=partitioned(nnx.initializers.ones_init(), 'norm'), rngs=rngs)
 
 
 class Block(nnx.Module):
