@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+from mtp import testing as mtp_testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Packages decoding must not import (nor any of their submodules).
 ABSENT_ON_DEVICE = ('grain', 'array_record', 'gguf', 'fastapi', 'uvicorn')
@@ -80,8 +82,7 @@ def test_the_blocker_blocks(tmp_path):
 
 
 def test_load_generate_and_device_script_import_no_absent_package(tiny_workdir, tmp_path):
-  env = blocking_env(tmp_path / 'site', dict(os.environ, JAX_PLATFORMS='cpu'))
-  env.pop('XLA_FLAGS', None)
+  env = blocking_env(tmp_path / 'site', mtp_testing.child_env(JAX_PLATFORMS='cpu'))
   run = _run(f'''
       import importlib
       import sys

@@ -12,16 +12,16 @@ import pytest
 
 from benchmarks import device
 from benchmarks.device_imports_test import blocking_env
+from mtp import testing as mtp_testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_tiny_run_writes_every_figure(tiny_workdir, tmp_path):
   demo = tiny_workdir
-  env = blocking_env(tmp_path / 'site', dict(
-      os.environ, PYTHON=sys.executable, RESULTS=str(tmp_path / 'results'), OUT=str(tmp_path),
+  env = blocking_env(tmp_path / 'site', mtp_testing.child_env(
+      PYTHON=sys.executable, RESULTS=str(tmp_path / 'results'), OUT=str(tmp_path),
       JAX_PLATFORMS='cpu'))
-  env.pop('XLA_FLAGS', None)
   run = subprocess.run(
       ['bash', 'benchmarks/device.sh', '--tiny', '--batch_sizes=2', '--token_counts=1,4',
        '--max_new_tokens=8', f'--demo_workdir={demo}', '--time_budget=0'],

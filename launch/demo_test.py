@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 from absl import flags
 from absl.testing import flagsaver
@@ -13,6 +12,7 @@ import pytest
 
 from launch import cli
 from launch import demo
+from mtp import testing as mtp_testing
 from mtp.checkpoint import workdir_lock
 from mtp.train import divergence
 from mtp.train import preemption
@@ -20,11 +20,8 @@ from mtp.train import trainer
 
 
 def _demo(tmp_path, *flags_):
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)  # One device, as a user's machine.
+  env = mtp_testing.child_env(JAX_PLATFORMS='cpu')  # One device, as a user's machine.
   env['MTP_CACHE_DIR'] = str(tmp_path / 'cache')  # 'auto' measures its break-even there.
-  env.setdefault('JAX_COMPILATION_CACHE_DIR',
-                 os.path.join(tempfile.gettempdir(), 'mtp-test-jax-cache'))
   run = subprocess.run(
       [sys.executable, '-m', 'launch.demo', '--config=configs/tiny.py',
        f'--workdir={tmp_path / "wd"}', '--config.num_train_steps=2', '--config.eval_steps=0',

@@ -5,13 +5,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx2 as httpx
 import openai
 import pytest
 
+from mtp import testing as mtp_testing
 from mtp.serving import server
 
 PROMPT = 'def add(a, b):\n'
@@ -23,10 +23,7 @@ def workdir(tiny_workdir):
 
 
 def _env():
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.setdefault('JAX_COMPILATION_CACHE_DIR',
-                 os.path.join(tempfile.gettempdir(), 'mtp-test-jax-cache'))
-  return env
+  return mtp_testing.child_env(JAX_PLATFORMS='cpu')
 
 
 def test_serve_answers_health_soon_and_matches_launch_generate(workdir):

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from launch import multiprocess
+from mtp import testing as mtp_testing
 from mtp.train import writers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,7 +35,8 @@ def _fake(directory: pathlib.Path, name: str, body: str) -> None:
 def _fake_srun(directory: pathlib.Path, body: str) -> dict:
   """An `srun` executable in `directory`, first on PATH in the returned environment."""
   _fake(directory, 'srun', body)
-  env = {k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}
+  # One CPU device per task.
+  env = {k: v for k, v in mtp_testing.child_env().items() if not k.startswith('SLURM_')}
   env['PATH'] = f'{directory}{os.pathsep}{env["PATH"]}'
   return env
 
@@ -142,7 +144,6 @@ def test_two_tasks_train_through_slurm_auto_detection(tmp_path):
       tasks = [subprocess.Popen(args, env=dict(os.environ, SLURM_PROCID=str(i),
                                                 SLURM_LOCALID=str(i))) for i in range(n)]
       sys.exit(max(abs(t.wait()) for t in tasks))''')
-  env.pop('XLA_FLAGS', None)  # One CPU device per task.
   env.update(CONFIG='configs/tiny.py', WORKDIR=str(tmp_path / 'run'), MTP_DIR=str(ROOT),
              PYTHON=sys.executable, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu',
              SLURM_JOB_ID='4242', SLURM_NTASKS='2', SLURM_STEP_NODELIST='localhost',

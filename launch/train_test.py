@@ -14,6 +14,7 @@ from absl.testing import flagsaver
 
 from launch import cli
 from launch import train
+from mtp import testing as mtp_testing
 from mtp.checkpoint import checkpointing
 from mtp.train import divergence
 from mtp.train import preemption
@@ -75,8 +76,7 @@ def test_the_traceback_with_the_env_var(tmp_path, monkeypatch, capsys):
 
 
 def _launch(workdir, *extra, **kwargs):
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
+  env = mtp_testing.child_env(PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
   env.pop('MTP_TRACEBACK', None)
   return subprocess.Popen([sys.executable, '-m', 'launch.train', f'--config={TINY}',
                            f'--workdir={workdir}', *extra], cwd=ROOT, env=env,

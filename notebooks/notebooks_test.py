@@ -6,6 +6,7 @@ import json
 import nbformat
 import pytest
 
+from mtp import testing as mtp_testing
 from notebooks import execute
 
 NAMES = execute.names()
@@ -55,8 +56,13 @@ def test_executes_in_fast_mode(name, tmp_path, monkeypatch):
   output = tmp_path / f'{name}.ipynb'
   # Fresh workdirs: a model trained by an earlier run must not hide a failure.
   monkeypatch.setenv('MTP_NOTEBOOK_WORKDIRS', str(tmp_path / 'workdirs'))
-  # The kernel inherits this environment: not the test session's 8 simulated devices.
-  monkeypatch.delenv('XLA_FLAGS', raising=False)
+  # The kernel inherits this environment: the session's fast-compiling XLA flags, not its 8
+  # simulated devices.
+  kernel_flags = mtp_testing.child_env().get('XLA_FLAGS')
+  if kernel_flags:
+    monkeypatch.setenv('XLA_FLAGS', kernel_flags)
+  else:
+    monkeypatch.delenv('XLA_FLAGS', raising=False)
   execute.execute(name, output=output, fast=True)
   executed = json.loads(output.read_text())
   images = [o for cell in executed['cells'] if cell['cell_type'] == 'code'

@@ -11,6 +11,7 @@ import numpy as np
 import portpicker
 import pytest
 
+from mtp import testing as mtp_testing
 from mtp.data import prepare
 from mtp.train import writers
 
@@ -20,8 +21,7 @@ WORKER = ROOT / 'tests' / 'data_position_worker.py'
 
 def _run(workdir, num_processes, stop_after, source):
   port = portpicker.pick_unused_port()
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  env.pop('XLA_FLAGS', None)
+  env = mtp_testing.child_env(PYTHONPATH=str(ROOT))
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(num_processes), str(port),
                              str(workdir), str(stop_after), str(source)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

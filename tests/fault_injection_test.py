@@ -39,7 +39,6 @@ import sys
 import time
 from unittest import mock
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -49,6 +48,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 
 import mtp
+from mtp import testing as mtp_testing
 from mtp.data import tokenizer as tokenizer_lib
 from mtp.train import testing as train_testing
 from mtp.train import trainer as trainer_lib
@@ -151,8 +151,7 @@ def test_sigkill_at_a_random_point_then_resume_is_exact(uninterrupted, tmp_path_
   workdir = tmp_path_factory.mktemp('killed')
   flags = [f'--config.{k}={v}' for k, v in _KILL_OVERRIDES.items()]
   flags += ['--config.mesh.data=1', '--config.eval_steps=0']
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or '',
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0.5', PYTHONPATH=str(ROOT))
+  env = mtp_testing.child_env(devices=8, PYTHONPATH=str(ROOT))
   log = workdir.with_name(workdir.name + '.log')  # Not a pipe: a full one would block the run.
   with open(log, 'wb') as out:
     process = subprocess.Popen(

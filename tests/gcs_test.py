@@ -30,6 +30,7 @@ import pytest
 
 from launch import cli
 import mtp
+from mtp import testing as mtp_testing
 from mtp.checkpoint import checkpointing
 from mtp.checkpoint import paths
 from mtp.data import prepare
@@ -102,10 +103,7 @@ def test_a_url_source_is_refused_by_name(gcs_bucket, tmp_path):
 
 
 def _train(workdir, *flags: str) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
-             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or '',
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0.5')
-  env.pop('XLA_FLAGS', None)
+  env = mtp_testing.child_env(PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
   env.pop('MTP_TRACEBACK', None)
   return subprocess.Popen(
       [sys.executable, '-m', 'launch.train', f'--config={TINY}', f'--workdir={workdir}',

@@ -15,12 +15,12 @@ import sys
 import threading
 import time
 
-import jax
 import numpy as np
 import pytest
 
 from launch import cli
 from launch import multiprocess
+from mtp import testing as mtp_testing
 from mtp.checkpoint import checkpointing
 from mtp.train import writers
 
@@ -29,8 +29,7 @@ TINY = str(ROOT / 'configs' / 'tiny.py')
 
 
 def _runner(workdir, num_processes, *train_flags, grace_s=10):
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)  # One CPU device per process.
+  env = mtp_testing.child_env(PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')  # One device each.
   return subprocess.Popen(
       [sys.executable, '-m', 'launch.multiprocess', f'--num_processes={num_processes}',
        f'--grace_s={grace_s}', '--', f'--config={TINY}', f'--workdir={workdir}',
@@ -90,8 +89,7 @@ def test_without_the_runner_a_dead_peer_ends_the_survivor_within_the_heartbeat_t
   long the survivors wait for a dead one (JAX's coordination service, on process 0, stops
   hearing from it and ends every process)."""
   heartbeat_s = 5
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  env.pop('XLA_FLAGS', None)
+  env = mtp_testing.child_env(PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
   commands = multiprocess.process_commands(
       'launch.train', [f'--config={TINY}', f'--workdir={tmp_path}', '--config.log_every_steps=1',
                        '--config.eval_steps=0', '--config.num_train_steps=100000',
@@ -126,10 +124,8 @@ class _Run:
   one's exit code is checked), their output in log files."""
 
   def __init__(self, workdir: pathlib.Path, name: str, *train_flags: str):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
-               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or '',
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0.5')
-    env.pop('XLA_FLAGS', None)  # One CPU device per process.
+    env = mtp_testing.child_env(PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu',  # One device each.
+                               PYTHONUNBUFFERED='1')
     env.pop('MTP_TRACEBACK', None)
     commands = multiprocess.process_commands(
         'launch.train', [f'--config={TINY}', f'--workdir={workdir}', '--config.log_every_steps=1',

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import mtp
+from mtp import testing as mtp_testing
 from mtp.checkpoint import fingerprint
 from mtp.export import writer
 from mtp.train import testing
@@ -132,8 +133,7 @@ def test_restores_on_another_device_count_and_mesh(workdir, exported):
   """Saved from one device; read by a process with 8 (set before JAX starts there)."""
   output, _ = exported
   tokens = [g.tokens for g in mtp.generate(mtp.load(workdir), PROMPTS, max_new_tokens=12)]
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
-             JAX_PLATFORMS='cpu')
+  env = mtp_testing.child_env(devices=8, JAX_PLATFORMS='cpu')
   run = subprocess.run(
       [sys.executable, '-c', _ON_8_DEVICES, str(output),
        json.dumps({'prompts': PROMPTS, 'tokens': tokens})],
