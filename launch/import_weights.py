@@ -28,6 +28,9 @@ flags.DEFINE_string('source', None, 'A .gguf file, a Hugging Face model director
                     'be a gs:// URL), or smollm2.')
 flags.DEFINE_string('workdir', None, 'The new workdir, local or gs:// (must not exist or be '
                     'empty).')
+flags.DEFINE_integer('num_layers', None, "Keep only the trunk's first N layers: a smaller "
+                     'model of the same weights for smoke runs (its outputs are not the '
+                     "full model's). Default: every layer.")
 flags.mark_flags_as_required(['source', 'workdir'])
 
 
@@ -39,7 +42,7 @@ def main(argv):
   start = time.perf_counter()
   try:
     source = workdir_lib.resolve_source(FLAGS.source)
-    workdir = workdir_lib.import_weights(source, FLAGS.workdir)
+    workdir = workdir_lib.import_weights(source, FLAGS.workdir, num_layers=FLAGS.num_layers)
   except (workdir_lib.PretrainedError, RuntimeError, ValueError, KeyError, OSError) as e:
     cli.fail('launch.import_weights', e)  # WorkdirLockedError and CheckpointError included.
   model = checkpointing.load_config(workdir).model

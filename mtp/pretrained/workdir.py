@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -189,13 +190,31 @@ def make_params(checkpoint: llama.Checkpoint, config: ml_collections.ConfigDict)
   return state
 
 
-def import_weights(source: str | os.PathLike, workdir: str | os.PathLike
-                   ) -> pathlib.Path | epath.Path:
+def keep_first_layers(checkpoint: llama.Checkpoint, num_layers: int) -> None:
+  """Cuts `checkpoint`'s trunk to its first `num_layers` layers, in place: a smaller model of
+  the same weights, for smoke runs and tests (its outputs are not the full model's)."""
+  total = checkpoint.shape.num_layers
+  if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not (
+      1 <= num_layers <= total):
+    raise PretrainedError(f'num_layers must be an integer in [1, {total}] (the source has '
+                          f'{total} layers), got {num_layers!r}.')
+  if checkpoint.heads is not None:
+    raise PretrainedError('num_layers cuts a trunk; this source has multi-token heads beside '
+                          'it, which read the layers it would drop.')
+  checkpoint.shape = dataclasses.replace(checkpoint.shape, num_layers=num_layers)
+  checkpoint.tensors = {name: value for name, value in checkpoint.tensors.items()
+                        if (i := llama.layer_index(name)) is None or i < num_layers}
+
+
+def import_weights(source: str | os.PathLike, workdir: str | os.PathLike, *,
+                   num_layers: int | None = None) -> pathlib.Path | epath.Path:
   """Writes a workdir from a GGUF file, a Hugging Face directory or an alias ('smollm2').
 
   Args:
     source: a local path or a URL (`gs://...`), or an alias.
     workdir: the new workdir, a local path or a URL.
+    num_layers: keep only the trunk's first `num_layers` layers (`keep_first_layers`); None
+      keeps them all.
 
   Returns:
     The workdir's path: absolute, or an epath.Path of the URL.
@@ -211,9 +230,13 @@ def import_weights(source: str | os.PathLike, workdir: str | os.PathLike
   source = resolve_source(source)
   with local_source(source) as local:
     checkpoint = read_source(local)
+    if num_layers is not None:
+      keep_first_layers(checkpoint, num_layers)
     if paths.is_url(source):  # The record names the source as given, not this host's copy.
       checkpoint.source['path'] = os.fspath(source)
     config = make_config(checkpoint)  # Hashes the (local copies of the) source's files.
+    if num_layers is not None:
+      config.pretrained.num_layers_kept = num_layers
   params = make_params(checkpoint, config)
   checkpoint.tensors = {}  # The parameters hold the weights now.
   draft_ids = checkpoint.heads[1].draft_ids if checkpoint.heads is not None else None

@@ -1,5 +1,6 @@
 """Importing tiny synthetic GGUF files and Hugging Face directories into mtp workdirs."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -149,6 +150,24 @@ def test_existing_workdir_is_refused_and_untouched(sources, tmp_path):
   empty = tmp_path / 'empty'
   empty.mkdir()
   assert (workdir_lib.import_weights(sources[0], empty) / 'config.json').exists()
+
+
+def test_keeping_the_first_layers_imports_a_smaller_model_of_the_same_weights(sources, tmp_path):
+  cut = workdir_lib.import_weights(sources[1], tmp_path / 'cut', num_layers=1)
+  loaded = mtp.load(cut)
+  assert loaded.config.model.num_layers == 1
+  assert loaded.config.pretrained.num_layers_kept == 1
+  ids = loaded.tokenizer.encode('def the(x):\n    return x')[:16]
+  expected = reference_logits(sources[2], dataclasses.replace(testing.SHAPE, num_layers=1), ids)
+  np.testing.assert_allclose(_model_logits(loaded, ids), expected,
+                             atol=2e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize('num_layers', [0, testing.SHAPE.num_layers + 1, True, 1.0])
+def test_keeping_a_bad_number_of_layers_is_named_and_writes_nothing(sources, tmp_path, num_layers):
+  with pytest.raises(PretrainedError, match=r'num_layers must be an integer in \[1, '):
+    workdir_lib.import_weights(sources[0], tmp_path / 'w', num_layers=num_layers)
+  assert not (tmp_path / 'w').exists()
 
 
 @pytest.mark.parametrize('problem', ['missing tensor', 'truncated', 'not gguf', 'no such'])
