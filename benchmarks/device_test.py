@@ -2,7 +2,6 @@
 without the packages the GPU machine's image lacks."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """`python -m launch.demo` as the README runs it, on the tiny config: train, evaluate on
 held-out code, plot, and decode with each decoder (the demo exits 1 if their outputs differ)."""
 
-import os
 import re
 import subprocess
 import sys

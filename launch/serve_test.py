@@ -2,7 +2,6 @@
 its greedy completion equal to `python -m launch.generate`'s on the same workdir."""
 
 import json
-import os
 import subprocess
 import sys
 import time

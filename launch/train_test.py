@@ -1,7 +1,6 @@
 """launch.train's failures: one line and an exit code per kind (launch/cli.py), preemption (SIGTERM,
 SIGUSR1) too."""
 
-import os
 import pathlib
 import signal
 import subprocess

@@ -2,7 +2,6 @@
 (global batches consumed) does not tie a restore to the process count."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
