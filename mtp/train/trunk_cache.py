@@ -234,9 +234,9 @@ def _build(directory: str | os.PathLike, names: list[str], num_rows: int, batch_
       _write_progress(tmp, rows.stop, num_rows, names)
       counted += rows.stop - rows.start
       if first == done or rows.stop == num_rows or (first // batch_size) % 20 == 0:
-        elapsed = time.perf_counter() - start
-        logging.info('%s: %d/%d rows (%.0f tokens/s).', what, rows.stop, num_rows,
-                     counted * tokens_per_row / max(elapsed, 1e-9))
+        rate = counted * tokens_per_row / max(time.perf_counter() - start, 1e-9)
+        logging.info('%s: %d/%d rows (%.0f tokens/s%s).', what, rows.stop, num_rows, rate,
+                     time_left((num_rows - rows.stop) * tokens_per_row / max(rate, 1e-9)))
     del out
     (tmp / _PROGRESS).unlink(missing_ok=True)
     if directory.exists():  # Another process finished first: keep its copy.
@@ -256,6 +256,17 @@ def _build(directory: str | os.PathLike, names: list[str], num_rows: int, batch_
 
 
 _PROGRESS = 'progress.json'
+
+
+def time_left(seconds: float) -> str:
+  """', about N minutes left' (or hours, or seconds) for a progress line; '' when done."""
+  if seconds <= 0:
+    return ''
+  if seconds < 90:
+    return f', about {seconds:.0f} s left'
+  if seconds < 90 * 60:
+    return f', about {seconds / 60:.0f} minutes left'
+  return f', about {seconds / 3600:.1f} hours left'
 
 
 def _write_progress(tmp: pathlib.Path, rows_done: int, num_rows: int, names) -> None:

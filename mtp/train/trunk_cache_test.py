@@ -234,6 +234,22 @@ def test_an_interrupted_trunk_pass_resumes_where_it_stopped(tmp_path):
   assert not (tmp_path / 'key' / 'progress.json').exists()
 
 
+@pytest.mark.parametrize('seconds, text', [
+    (0, ''), (-3, ''), (42.4, ', about 42 s left'), (600, ', about 10 minutes left'),
+    (3 * 3600, ', about 3.0 hours left')])
+def test_time_left_reads_in_the_unit_a_person_would_say(seconds, text):
+  assert trunk_cache.time_left(seconds) == text
+
+
+def test_a_pass_logs_its_rate_and_the_time_left(tmp_path, caplog):
+  caplog.set_level('INFO')
+  trunk_cache.build(_rows(10), _fake_trunk([]), tmp_path / 'key', batch_size=3,
+                    store_hidden=True)
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('Trunk pass:')]
+  assert lines[0].startswith('Trunk pass: 3/10 rows (') and 'left).' in lines[0]
+  assert lines[-1].startswith('Trunk pass: 10/10 rows (') and 'tokens/s).' in lines[-1]
+
+
 def test_a_partial_pass_over_other_rows_is_built_again(tmp_path):
   kwargs = dict(batch_size=3, store_hidden=True)
   with pytest.raises(_Interrupted):
