@@ -22,6 +22,9 @@ def get_config(size: str = 'cpu'):
   if size == 'fast':
     c.model.num_layers, c.model.embed_dim, c.model.mlp_dim = 2, 128, 384
     c.model.vocab_size = 1024
+    # Its prompts and completions fit in 256 positions; caches sized for 2048 made the server's
+    # warm-up (batch 8, budgets up to max_seq_len) time steps over 8x the memory.
+    c.model.max_seq_len = 256
     c.data.seq_len, c.data.max_corpus_bytes = 128, 1_500_000
     c.num_train_steps, c.log_every_steps = 40, 5
     c.eval_every_steps = c.checkpoint_every_steps = 20
