@@ -258,6 +258,12 @@ class AutoPolicy:
 # ------------------------------------------------------------------------------------------
 
 
+# Row-steps a timed run of `break_even` takes by default. Mapped rows cost a step each (8 of them
+# took the server's warm-up 45 of its 60 s for the notebooks' tiny model when each of 8 rows ran
+# 64 steps); a shared batch's step costs about one row's.
+ROW_STEPS = 64
+
+
 def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: bool) -> str:
   plan = engine.plan
   block, _ = plan.block(kind)
@@ -270,7 +276,8 @@ def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: b
 
 
 def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
-               refresh: bool = False, steps: int = 64, repeats: int = 5) -> float:
+               refresh: bool = False, steps: int | None = None,
+               repeats: int = 5) -> float:
   """Seconds per drafting step of `kind` over seconds per one-token step, for `engine`'s
   compiled loop on these prompts (greedy), measured once and cached (`measurements`).
 
@@ -289,12 +296,16 @@ def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
     sampled: for sampled rows (`engine.SAMPLED_TIMING`'s settings): their drafting steps cost
       more (sorting every node's distribution for top-p) and the one-token step little more.
     refresh: measure again even when cached.
-    steps, repeats: loop steps per timed run, and timed runs of each kind.
+    steps: loop steps per timed run; by default 64 steps' work of a batch of one (`ROW_STEPS`):
+      64 steps, or fewer where rows are mapped one by one and a step costs each row's.
+    repeats: timed runs of each kind.
 
   Returns:
     The break-even in tokens per step (> 0; below 1: drafting costs nothing).
   """
   b, p = np.shape(prompts)
+  if steps is None:
+    steps = max(ROW_STEPS // b, 8) if engine.plan.row_mapped else ROW_STEPS
   key = _cache_key(engine, b, p, kind, sampled)
   if not refresh:
     cached = measurements.lookup(_TABLE, key, lambda e: _valid(e['break_even']))
