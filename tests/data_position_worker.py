@@ -10,8 +10,9 @@ the in-memory corpus), stopping after step STOP_AFTER as if preempted.
 import os
 import sys
 
-os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=1'
-os.environ['JAX_PLATFORMS'] = 'cpu'
+# One CPU device a process; the test session's fast-compiling XLA flags and compilation cache
+# carry over (`mtp.testing.child_env`): set here, the flags made each run compile at full cost.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import jax  # noqa: E402
 
