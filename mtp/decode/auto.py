@@ -259,7 +259,7 @@ class AutoPolicy:
 
 
 # Row-steps a timed run of `break_even` takes by default. Mapped rows cost a step each (8 of them
-# took the server's warm-up 45 of its 60 s for the notebooks' tiny model when each of 8 rows ran
+# took 43 s of the server's 62 s warm-up for the notebooks' tiny model when each of 8 rows ran
 # 64 steps); a shared batch's step costs about one row's.
 ROW_STEPS = 64
 
