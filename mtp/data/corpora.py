@@ -35,6 +35,8 @@ EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-
 DEFAULT_HELDOUT_PACKAGES = ('ml_collections', 'absl')
 STDLIB = 'stdlib'
 STDLIB_PROSE = 'stdlib_prose'
+STDLIB_TESTS = 'stdlib_tests'
+NAMED_SOURCES = (STDLIB, STDLIB_TESTS, STDLIB_PROSE)
 MIX_SEPARATOR = '+'
 # A docstring shorter than this is mostly a signature's gloss ("Return the size."), not prose.
 _MIN_DOCSTRING_CHARS = 200
@@ -66,6 +68,21 @@ def stdlib_files() -> list[pathlib.Path]:
 
 
 _LISTED_SKIP_DIRS = frozenset({'__pycache__'})
+
+
+def stdlib_test_files() -> list[pathlib.Path]:
+  """Sorted `.py` files of the standard library's own test suite (`<stdlib>/test`).
+
+  Distributions often ship it apart (Debian's libpython3-testsuite) or not at all; a
+  source build keeps it. Raises ValueError when this interpreter has none.
+  """
+  root = stdlib_root() / 'test'
+  files = _walk(root, ('.py',), _LISTED_SKIP_DIRS) if root.is_dir() else []
+  # A stripped install keeps test/support and a few helpers: not a test suite.
+  if len(files) < 100:
+    raise ValueError(f'This interpreter has no standard-library test suite under {root} '
+                     f'({len(files)} .py files).')
+  return files
 
 
 def list_files(directory: str | pathlib.Path, extensions: Iterable[str]) -> list[pathlib.Path]:
@@ -165,8 +182,8 @@ def corpus_sources(corpus: str) -> list[str]:
   """The sources a `data.corpus` value names: one, or several joined by '+'."""
   sources = [part.strip() for part in str(corpus).split(MIX_SEPARATOR)]
   if not all(sources):
-    raise ValueError(f'data.corpus {corpus!r} names an empty source; expected {STDLIB!r}, '
-                     f'{STDLIB_PROSE!r}, a directory, or several joined by {MIX_SEPARATOR!r}.')
+    raise ValueError(f'data.corpus {corpus!r} names an empty source; expected one of '
+                     f'{list(NAMED_SOURCES)}, a directory, or several joined by {MIX_SEPARATOR!r}.')
   if len(set(sources)) != len(sources):
     raise ValueError(f'data.corpus {corpus!r} names a source twice.')
   return sources
@@ -178,6 +195,8 @@ def source_root(source: str) -> pathlib.Path:
     return stdlib_root()
   if source == STDLIB_PROSE:
     return stdlib_prose_root()
+  if source == STDLIB_TESTS:
+    return stdlib_root() / 'test'
   return pathlib.Path(source).expanduser()
 
 
@@ -187,7 +206,27 @@ def source_files(source: str, extensions: Iterable[str]) -> list[pathlib.Path]:
     return stdlib_files()
   if source == STDLIB_PROSE:
     return list_files(stdlib_prose_root(), ('.txt',))
+  if source == STDLIB_TESTS:
+    return stdlib_test_files()
   return list_files(source_root(source), extensions)
+
+
+def copy_corpus(corpus: str, extensions: Iterable[str], directory: str | pathlib.Path) -> str:
+  """Copies each source of `corpus` into `directory/<n>-<name>` and returns the `data.corpus`
+  naming the copies: the same files, splits and mix on a machine whose interpreter differs
+  (or has no test suite). Relative paths are kept, so the train/valid split is the same."""
+  directory = pathlib.Path(directory)
+  copies = []
+  for index, source in enumerate(corpus_sources(corpus)):
+    root = source_root(source)
+    name = source if source in NAMED_SOURCES else root.name
+    target = directory / f'{index}-{name}'
+    for path in source_files(source, extensions):
+      copy = target / path.relative_to(root)
+      copy.parent.mkdir(parents=True, exist_ok=True)
+      shutil.copyfile(path, copy)
+    copies.append(str(target))
+  return MIX_SEPARATOR.join(copies)
 
 
 def corpus_root(data_config: Any) -> pathlib.Path:
