@@ -162,3 +162,33 @@ def test_stdlib_prose_is_built_once_from_topics_and_docstrings(tmp_path, monkeyp
   monkeypatch.setattr(corpora, 'stdlib_prose_texts', lambda: pytest.fail('rebuilt'))
   assert corpora.stdlib_prose_root() == root
   assert not [p for p in root.parent.iterdir() if p.name.startswith('.')]  # No staging left.
+
+
+def test_stdlib_tests_reads_the_test_suite_and_names_a_stripped_one(tmp_path, monkeypatch):
+  monkeypatch.setattr(corpora, 'stdlib_root', lambda: tmp_path)
+  _write(tmp_path / 'test', ['support/__init__.py', 'regrtest.py'])
+  with pytest.raises(ValueError, match='no standard-library test suite'):
+    corpora.source_files('stdlib_tests', ())
+  _write(tmp_path / 'test', [f'test_m{i}.py' for i in range(120)] + ['data/x.txt'])
+  files = corpora.source_files('stdlib_tests', ('.txt',))  # Always the suite's .py files.
+  assert len(files) == 122 and all(f.suffix == '.py' for f in files)
+  assert corpora.source_root('stdlib_tests') == tmp_path / 'test'
+
+
+def test_copy_corpus_copies_each_source_with_its_files_and_split(tmp_path):
+  _write(tmp_path / 'a', [f'pkg/m{i}.py' for i in range(20)] + ['notes.md'])
+  _write(tmp_path / 'b', [f'n{i}.py' for i in range(10)])
+  original = ml_collections.ConfigDict({'corpus': f'{tmp_path / "a"}+{tmp_path / "b"}',
+                                        'extensions': ('.py',), 'valid_fraction': 0.3})
+  copied = original.copy_and_resolve_references()
+  copied.corpus = corpora.copy_corpus(original.corpus, original.extensions, tmp_path / 'copy')
+  assert copied.corpus == f'{tmp_path / "copy" / "0-a"}+{tmp_path / "copy" / "1-b"}'
+  assert not (tmp_path / 'copy' / '0-a' / 'notes.md').exists()
+  for split in ('train', 'valid'):
+    before = [f.relative_to(tmp_path).parts[1:] for f in corpora.corpus_splits(original)[split]]
+    after = [f.relative_to(tmp_path / 'copy').parts[1:]
+             for f in corpora.corpus_splits(copied)[split]]
+    assert before == after and before
+  for copy in corpora.source_files(str(tmp_path / 'copy' / '0-a'), ('.py',)):
+    source = tmp_path / 'a' / copy.relative_to(tmp_path / 'copy' / '0-a')
+    assert copy.read_text() == source.read_text()

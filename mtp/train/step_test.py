@@ -39,6 +39,9 @@ def test_train_and_eval_steps_compile_once_across_steps_and_batches():
     trainer.evaluate(state.params, [trainer_test._counting_batch(8, 32, 32, s)
                                     for s in (100, 101, 102)])
   assert trainer.train_step._cache_size() == 1 and trainer.eval_step._cache_size() == 1
+  # The initialisation compiles in seconds on a GPU only with threefry lowered as its kernel
+  # (see Trainer); this CPU suite cannot time that, so it checks that the trainer asks for it.
+  assert jax.config.jax_threefry_gpu_kernel_lowering
 
 
 def test_a_batch_holds_exactly_the_configured_fields():
