@@ -115,7 +115,7 @@ class Trainer:
                                               config.mtp_head_weight_decay)
 
     # XLA:GPU inlines the threefry hash into every fused kernel of the random initialisation:
-    # compiling SmolLM2 with an EAGLE-3 drafter took over 5 minutes on an H200 without this
+    # compiling SmolLM2 with an EAGLE-3 drafter ran over 7 minutes on an H200 without this
     # lowering (a kernel of its own, the same bits) and 13 s with it. Other backends ignore it.
     jax.config.update('jax_threefry_gpu_kernel_lowering', True)
     # Compiling initialisation yields the train state's shardings without allocating anything.
