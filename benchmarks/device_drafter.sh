@@ -16,8 +16,8 @@
 # about 6 minutes in. Budget about 10 minutes of device time in all, the machine's start
 # included.
 #
-# --train N [FLAG...] imports SmolLM2, trains the drafter until N seconds after its own start (less a
-# minute to save and pack: SIGTERM makes launch.train save a checkpoint and stop) and returns
+# --train N [FLAG...] imports SmolLM2, trains the drafter until N seconds after its own start
+# (less a minute to save and pack: SIGTERM makes launch.train save a checkpoint and stop), returns
 # three checkpoints' parameters (about 19 MB each: the first past 4M tokens, the first past one
 # epoch, the last) with the run's config, metrics and log, as chunks under 16 MiB. FLAGs go
 # to launch.train (a CPU dry run: PYTHON=... --train 300 --config.data.max_corpus_bytes=...).
@@ -127,8 +127,14 @@ EOF
   ls -la "$RESULTS"
   ;;
 --unpack)
-  [[ -d "${2:-}" ]] || { echo "device_drafter: --unpack needs the returned files' folder" >&2; exit 2; }
-  [[ ! -e workdirs/eagle3_gpu ]] || { echo "device_drafter: workdirs/eagle3_gpu exists" >&2; exit 1; }
+  if [[ ! -d "${2:-}" ]]; then
+    echo "device_drafter: --unpack needs the returned files' folder" >&2
+    exit 2
+  fi
+  if [[ -e workdirs/eagle3_gpu ]]; then
+    echo "device_drafter: workdirs/eagle3_gpu exists" >&2
+    exit 1
+  fi
   mkdir -p workdirs/eagle3_gpu
   cat "$2"/eagle3_gpu.tar.* | tar xf - -C workdirs/eagle3_gpu
   cp "$2/train.log" workdirs/eagle3_gpu/ 2>/dev/null || true
