@@ -96,8 +96,9 @@ with ocp.StandardCheckpointer() as c:  # orbax over this image'"'"'s tensorstore
       || status=$?
   echo "device_drafter: launch.train exited with $status after $((SECONDS - start)) s"
   tail -c 1500 "$RESULTS/train.log"; echo
-  # 143: stopped by the clock, after saving a checkpoint.
-  [[ $status == 0 || $status == 143 ]] || exit "$status"
+  # 143: stopped by the clock, after saving a checkpoint. Any other failure still returns the
+  # checkpoints saved before it (every 2M tokens), then exits with its status.
+  compgen -G "$STAGE/eagle3_gpu/checkpoints/*/commit_success.txt" >/dev/null || exit "$status"
   cd "$STAGE/eagle3_gpu"
   picked=$("$PYTHON" - "$RESULTS/train.log" <<'EOF'
 import json, pathlib, re, sys
@@ -125,6 +126,7 @@ EOF
   done
   tar cf - "${files[@]}" | split -b 15m -d - "$RESULTS/eagle3_gpu.tar."
   ls -la "$RESULTS"
+  [[ $status == 0 || $status == 143 ]] || exit "$status"
   ;;
 --unpack)
   if [[ ! -d "${2:-}" ]]; then
