@@ -5,8 +5,8 @@
 #   bash benchmarks/device_drafter.sh --prepare     # here: .devdrafter/a (half the GGUF, the
 #                                                   # corpus, wheels) and .devdrafter/b (the rest)
 #   run(command="bash benchmarks/device_drafter.sh --stage", carry=[".devdrafter/a"])
-#   run(command="bash benchmarks/device_drafter.sh --train 540", carry=[".devdrafter/b"],
-#       timeout_s=570)                              # within 30 s: the machine stays warm that long
+#   run(command="bash benchmarks/device_drafter.sh --train 560", carry=[".devdrafter/b"],
+#       timeout_s=590)                              # within 30 s: the machine stays warm that long
 #   bash benchmarks/device_drafter.sh --unpack DIR  # here: the files that came back (DIR) into
 #                                                   # workdirs/eagle3_gpu, over workdirs/smollm2
 #
@@ -18,8 +18,9 @@
 #
 # --train N [FLAG...] imports SmolLM2, trains the drafter until N seconds after its own start
 # (less a minute to save and pack: SIGTERM makes launch.train save a checkpoint and stop), returns
-# three checkpoints' parameters (about 19 MB each: the first past 4M tokens, the first past one
-# epoch, the last) with the run's config, metrics and log, as chunks under 16 MiB. FLAGs go
+# three checkpoints' parameters (about 19 MB each: the first past 4M tokens, the last before the
+# learning rate decays, or the first past one epoch if it never does, and the last) with the
+# run's config, metrics and log, as chunks under 16 MiB. FLAGs go
 # to launch.train (a CPU dry run: PYTHON=... --train 300 --config.data.max_corpus_bytes=...).
 # `python -m benchmarks.data_scale --workdirs=gpu=workdirs/eagle3_gpu` then decodes them here.
 set -euo pipefail
@@ -74,7 +75,7 @@ with ocp.StandardCheckpointer() as c:  # orbax over this image'"'"'s tensorstore
   ;;
 --train)
   start=$SECONDS
-  budget=${2:-540}
+  budget=${2:-560}
   [[ -f "$STAGE/gguf.part1" && -d "$STAGE/site" ]] || {
     echo "device_drafter: $STAGE is missing: run --stage first, on the same (warm) machine" >&2
     exit 1
@@ -111,10 +112,13 @@ built = re.search(r'Built train split: \d+ files, (\d+) rows of (\d+) tokens',
                   pathlib.Path(sys.argv[1]).read_text())
 epoch = int(built[1]) * int(built[2]) if built else 9e6
 picks = {steps[-1]} if steps else set()
-for target in (4e6, epoch):
-  past = [s for s in steps if s * per_step >= target]
-  if past:
-    picks.add(past[0])
+past = [s for s in steps if s * per_step >= 4e6]
+picks.update(past[:1])
+stable_end = config['num_train_steps'] - config['optim'].get('decay_steps', 0)
+if stable_end < config['num_train_steps']:  # the last checkpoint before the annealing
+  picks.update([s for s in steps if s <= stable_end][-1:])
+else:
+  picks.update([s for s in steps if s * per_step >= epoch][:1])
 print(' '.join(str(s) for s in sorted(picks)))
 EOF
 )
