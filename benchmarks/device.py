@@ -19,6 +19,10 @@ Two models, both decoded in bfloat16 (weights and activations), greedy, batch 1 
     --config=configs/code_small.py`, see device.sh), when given: autoregressive, the heads'
     chain, the default tree and chain + prompt lookup, on held-out code prompts.
 
+`--norandom_shape` leaves the random model out, and `--demo_auto` adds mtp's default decoder
+(`auto`, after timing this machine's break-evens): `benchmarks/device_drafter.sh --decode` so
+decodes SmolLM2 with its GPU-trained EAGLE-3 drafter, a real model's figures.
+
 Every speculative output is compared token for token with autoregressive decoding at the same
 precision and batch size, and the rows that match are counted. With random weights in bfloat16
 the logits are nearly flat, so a T-token pass and a 1-token pass that round differently can
@@ -56,6 +60,10 @@ flags.DEFINE_bool('tiny', False, 'A tiny random model and few tokens: a CPU smok
 flags.DEFINE_string('output_dir', 'results/device', 'Where device.json goes.')
 flags.DEFINE_string('demo_workdir', None, 'A trained workdir or params export to decode with '
                     '(held-out code prompts); skipped when unset.')
+flags.DEFINE_bool('random_shape', True, 'Measure the random SmolLM2-shaped model (cost curve '
+                  'and decoders); --norandom_shape measures --demo_workdir alone.')
+flags.DEFINE_bool('demo_auto', False, 'Also decode the demo model with mtp\'s default decoder '
+                  '(`auto`), which first times this machine\'s break-evens.')
 flags.DEFINE_list('batch_sizes', ['1', '8'], 'Batch sizes.')
 flags.DEFINE_list('token_counts', ['1', '2', '4', '8', '16', '32', '64'],
                   'Verification sizes T of the cost curve.')
@@ -285,11 +293,11 @@ def random_model_steps(tiny: bool, batch_sizes, token_counts, prompt_tokens: int
 
 
 def demo_model_steps(workdir: str, batch_sizes, prompt_tokens: int, max_new_tokens: int,
-                     repeats: int, lookup: int, result: dict, save) -> dict:
+                     repeats: int, lookup: int, result: dict, save, auto: bool = False) -> dict:
   """The demo model's steps: {('demo', batch size): (name, budget seconds, function)},
-  autoregressive, the heads' chain, the default tree and chain + lookup on held-out code
-  prompts. They fill `result` (the model is loaded by the first that runs) and call `save()`
-  after each measurement."""
+  autoregressive, the heads' chain, `auto` (if `auto`), the default tree and chain + lookup on
+  held-out code prompts. They fill `result` (the model is loaded by the first that runs) and
+  call `save()` after each measurement."""
   loaded = {}
 
   def load():
@@ -314,10 +322,12 @@ def demo_model_steps(workdir: str, batch_sizes, prompt_tokens: int, max_new_toke
     model, prompts = load()
     tokenizer, num_heads = model.tokenizer, model.model.mtp_num_heads
     decoders = {'autoregressive': dict(decoder='autoregressive'),
-                f'heads chain {num_heads}': dict(decoder='speculative', tree=num_heads),
-                'default tree': dict(decoder='speculative', tree='default'),
-                f'chain + lookup {lookup}': dict(decoder='speculative', tree=num_heads,
-                                                 lookup=lookup)}
+                f'heads chain {num_heads}': dict(decoder='speculative', tree=num_heads)}
+    if auto:
+      decoders['auto (default)'] = dict(decoder='auto')
+    decoders.update({'default tree': dict(decoder='speculative', tree='default'),
+                     f'chain + lookup {lookup}': dict(decoder='speculative', tree=num_heads,
+                                                      lookup=lookup)})
     encoded = [tokenizer.encode(p) for p in prompts[:b]]
     padded, lengths = state_lib.pad_prompts(encoded, tokenizer.pad_id)
     rows = decode_rows(model, padded, lengths, decoders, max_new_tokens=max_new_tokens,
@@ -326,8 +336,9 @@ def demo_model_steps(workdir: str, batch_sizes, prompt_tokens: int, max_new_toke
     _print_rows(f'demo model ({workdir}), held-out code', rows)
 
   return {('demo', b): (f'decoding, demo model, batch {b}: autoregressive, heads chain, '
-                        f'default tree, chain + lookup {lookup}',
-                        (SECONDS_TO_BUILD if i == 0 else 0) + 4 * SECONDS_PER_DEMO_DECODER,
+                        + ('auto, ' if auto else '') + f'default tree, chain + lookup {lookup}',
+                        (SECONDS_TO_BUILD if i == 0 else 0)
+                        + (5 if auto else 4) * SECONDS_PER_DEMO_DECODER,
                         lambda b=b: decode(b))
           for i, b in enumerate(batch_sizes)}
 
@@ -359,12 +370,16 @@ def main(argv):
   print(f'jax {jax.__version__}, devices: {jax.devices()}', flush=True)
   out = pathlib.Path(FLAGS.output_dir) / 'device.json'
   runner = Steps(report, out, FLAGS.time_budget, start)
-  steps = random_model_steps(FLAGS.tiny, batch_sizes, token_counts, prompt_tokens, max_new,
-                             FLAGS.repeats, report['random_smollm2_shape'], runner.save)
+  steps = {}
+  if FLAGS.random_shape:
+    steps.update(random_model_steps(FLAGS.tiny, batch_sizes, token_counts, prompt_tokens,
+                                    max_new, FLAGS.repeats, report['random_smollm2_shape'],
+                                    runner.save))
   if FLAGS.demo_workdir:
     report['demo'] = {}
     steps.update(demo_model_steps(FLAGS.demo_workdir, batch_sizes, prompt_tokens, max_new,
-                                  FLAGS.repeats, FLAGS.lookup, report['demo'], runner.save))
+                                  FLAGS.repeats, FLAGS.lookup, report['demo'], runner.save,
+                                  auto=FLAGS.demo_auto))
   # Every measurement at the first batch size before any at the next: when time runs short,
   # the later batch sizes go.
   runner.run_all(steps[kind, b] for b in batch_sizes for kind in ('cost', 'random', 'demo')

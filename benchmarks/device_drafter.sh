@@ -10,11 +10,16 @@
 #   bash benchmarks/device_drafter.sh --unpack DIR  # here: the files that came back (DIR) into
 #                                                   # workdirs/eagle3_gpu, over workdirs/smollm2
 #
-# On an H200 (2026-12-04): the first call takes 15 s; in the second, the import 12 s, the
-# corpus 3 s, compiling the initialisation 13 s and the train step 27 s, the teacher's pass
-# about 35 s, then 57.6 ms a step (284k tokens/s): the config's 4,000 steps (65M tokens) end
-# about 6 minutes in. Budget about 10 minutes of device time in all, the machine's start
-# included.
+# Then that drafter decoded on the GPU (benchmarks.device on held-out code, batch 1 and 8):
+#   bash benchmarks/device_drafter.sh --prepare-decode   # here: .devdrafter/c (19 MB)
+#   run(command="bash benchmarks/device_drafter.sh --stage", carry=[".devdrafter/a"])
+#   run(command="bash benchmarks/device_drafter.sh --stage-drafter", carry=[".devdrafter/c"])
+#   run(command="bash benchmarks/device_drafter.sh --decode 330", carry=[".devdrafter/b"],
+#       timeout_s=345)                              # batch 1 took 255 s of it on an H200
+#
+# On an H200 (2026-12-04): the first call takes 15 s; the second 372 s, of which the import 10
+# s and the config's 4,000 steps (65M tokens, evaluations and 32 checkpoints included) 4 min
+# 56 s. Both took 7 minutes of device time, the machine's start included.
 #
 # --train N [FLAG...] imports SmolLM2, trains the drafter until N seconds after its own start
 # (less a minute to save and pack: SIGTERM makes launch.train save a checkpoint and stop), returns
@@ -29,6 +34,16 @@ PYTHON=${PYTHON:-python3}
 STAGE=/tmp/mtp_drafter
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 FIRST_HALF_BYTES=48000000
+
+# The two halves of the GGUF file joined and checked, imported into workdirs/smollm2.
+import_smollm2() {
+  export PYTHONPATH=$STAGE/site XDG_CACHE_HOME=$STAGE/cache PYTHONUNBUFFERED=1
+  cat "$STAGE/gguf.part1" .devdrafter/b/gguf.part2 >"$STAGE/cache/mtp/$GGUF"
+  (cd "$STAGE/cache/mtp" && sha256sum -c "$OLDPWD/.devdrafter/b/gguf.sha256")
+  mkdir -p workdirs
+  rm -rf workdirs/smollm2
+  "$PYTHON" -m launch.import_weights --source=smollm2 --workdir=workdirs/smollm2
+}
 
 case "${1:-}" in
 --prepare)
@@ -80,13 +95,10 @@ with ocp.StandardCheckpointer() as c:  # orbax over this image'"'"'s tensorstore
     echo "device_drafter: $STAGE is missing: run --stage first, on the same (warm) machine" >&2
     exit 1
   }
-  export PYTHONPATH=$STAGE/site XDG_CACHE_HOME=$STAGE/cache PYTHONUNBUFFERED=1
-  cat "$STAGE/gguf.part1" .devdrafter/b/gguf.part2 >"$STAGE/cache/mtp/$GGUF"
-  (cd "$STAGE/cache/mtp" && sha256sum -c "$OLDPWD/.devdrafter/b/gguf.sha256")
+  import_smollm2
   RESULTS=$(realpath -m "${OUT:-results/device_drafter}")
-  mkdir -p "$RESULTS" workdirs
-  rm -rf workdirs/smollm2 "$STAGE/eagle3_gpu"
-  "$PYTHON" -m launch.import_weights --source=smollm2 --workdir=workdirs/smollm2
+  mkdir -p "$RESULTS"
+  rm -rf "$STAGE/eagle3_gpu"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   seconds=$((budget - (SECONDS - start) - 60))
   echo "device_drafter: training for at most $seconds s"
@@ -132,6 +144,44 @@ EOF
   ls -la "$RESULTS"
   [[ $status == 0 || $status == 143 ]] || exit "$status"
   ;;
+--prepare-decode)
+  # The trained drafter (workdirs/eagle3_gpu's last checkpoint, 19 MB) for --decode.
+  rm -rf .devdrafter/c && mkdir -p .devdrafter/c
+  step=$(find workdirs/eagle3_gpu/checkpoints -name commit_success.txt | xargs -n1 dirname \
+         | xargs -n1 basename | sort -n | tail -1)
+  tar cf .devdrafter/c/drafter.tar -C workdirs/eagle3_gpu config.json base.json \
+      draft_vocab.json special_tokens.json tokenizer.json "checkpoints/$step"
+  du -sh .devdrafter/c
+  ;;
+--stage-drafter)
+  # After --stage, on the same warm machine: the drafter, carried alone (the GGUF's second
+  # half and the drafter are more than one call carries).
+  [[ -d "$STAGE/site" ]] || { echo "device_drafter: run --stage first" >&2; exit 1; }
+  cp .devdrafter/c/drafter.tar "$STAGE/"
+  ;;
+--decode)
+  # After --stage and --stage-drafter: SmolLM2 with its drafter, decoded on held-out code by
+  # benchmarks.device (autoregressive, the drafter's chain, auto, trees, lookup; batch 1, 8).
+  start=$SECONDS
+  budget=${2:-400}
+  [[ -f "$STAGE/drafter.tar" ]] || { echo "device_drafter: run --stage-drafter first" >&2; exit 1; }
+  import_smollm2
+  rm -rf workdirs/eagle3_gpu && mkdir -p workdirs/eagle3_gpu
+  tar xf "$STAGE/drafter.tar" -C workdirs/eagle3_gpu
+  "$PYTHON" -c 'import json, pathlib, sys
+path, base = pathlib.Path("workdirs/eagle3_gpu/base.json"), str(pathlib.Path(sys.argv[1]))
+path.write_text(json.dumps(dict(json.loads(path.read_text()), base_workdir=base,
+                                base_workdir_absolute=base)))' "$(realpath workdirs/smollm2)"
+  RESULTS=$(realpath -m "${OUT:-results/device_drafter}")
+  mkdir -p "$RESULTS"
+  status=0
+  # device.json is rewritten after every row: a run stopped by the clock keeps what ran.
+  timeout -s TERM --kill-after=10 $((budget - (SECONDS - start) - 15)) "$PYTHON" \
+      -m benchmarks.device --norandom_shape --demo_workdir=workdirs/eagle3_gpu --demo_auto \
+      --time_budget=0 --output_dir="$RESULTS" "${@:3}" 2>&1 | tee "$RESULTS/decode.log" \
+      || status=$?
+  echo "device_drafter: benchmarks.device exited with $status after $((SECONDS - start)) s"
+  ;;
 --unpack)
   if [[ ! -d "${2:-}" ]]; then
     echo "device_drafter: --unpack needs the returned files' folder" >&2
@@ -147,7 +197,8 @@ EOF
   ls workdirs/eagle3_gpu/checkpoints
   ;;
 *)
-  echo "usage: $0 --prepare | --stage | --train SECONDS | --unpack DIR" >&2
+  echo "usage: $0 --prepare | --stage | --train SECONDS | --unpack DIR" \
+       "| --prepare-decode | --stage-drafter | --decode SECONDS" >&2
   exit 2
   ;;
 esac

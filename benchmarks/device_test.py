@@ -23,7 +23,7 @@ def test_tiny_run_writes_every_figure(tiny_workdir, tmp_path):
       JAX_PLATFORMS='cpu'))
   run = subprocess.run(
       ['bash', 'benchmarks/device.sh', '--tiny', '--batch_sizes=2', '--token_counts=1,4',
-       '--max_new_tokens=8', f'--demo_workdir={demo}', '--time_budget=0'],
+       '--max_new_tokens=8', f'--demo_workdir={demo}', '--demo_auto', '--time_budget=0'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
   report = json.loads((tmp_path / 'device.json').read_text())
@@ -37,7 +37,9 @@ def test_tiny_run_writes_every_figure(tiny_workdir, tmp_path):
   # Oracle drafts are all accepted: 8 tokens = the prefill's + 7 in two steps of up to 5.
   assert all(r['tokens_per_step'] == 3.5 for r in oracle), oracle
   demo_rows = report['demo']['decoding']
-  assert len(demo_rows) == 4 and all(r['tokens_per_sec'] > 0 for r in demo_rows)
+  assert [r['decoder'].split(' ')[0] for r in demo_rows] == [
+      'autoregressive', 'heads', 'auto', 'default', 'chain'], demo_rows
+  assert all(r['tokens_per_sec'] > 0 for r in demo_rows)
   assert all(r['outputs_match'] for r in demo_rows)  # float32: exact.
   assert 'all outputs exact' in run.stdout
   steps = report['steps']
