@@ -16,9 +16,13 @@ Where every draft fails, the probes and the retries of all kinds together lose a
 `FALLBACK_BUDGET` of the row's one-token steps: each kind's probe at most its half of the
 kind's share of the row's token budget, its retries at most the other half of the steps since.
 A probe the budget cannot afford does not run (the kind starts stopped; its retries sample it
-later): in a short completion it could not win back what it costs. A row wants the largest kind
-that pays for it and whose newest drafter is `ready` (prompt lookup: its key matched at least
-two tokens).
+later): in a short completion it could not win back what it costs. The plan's prediction
+overrides the budget both ways: a kind whose tokens per step, predicted from the heads'
+measured accuracies, fall below its break-even starts stopped; one predicted to pay starts
+paying, the prediction counted as a few steps of its account. Of the kinds that pay for
+it and whose newest drafter is `ready` (prompt lookup: its key matched at least two tokens), a
+row wants the one whose tokens per step go furthest against its break-even, each judged on its
+own probe first, the largest first (`AutoPolicy.wants`).
 
 A step is one kind for the whole batch (one compiled block), and a batch runs until its last
 row is done, so the kind is the one wanted by the row with the most tokens left to make; every
@@ -61,6 +65,8 @@ MOST_PROBE = 8
 # fewer, lookup on the demo model's validation-split code (which pays, 6 tokens a step) was
 # mostly stopped by its first unlucky step. Where the budget cannot afford as many, no probe.
 ALL_OR_NOTHING_LEAST_PROBE = 4
+# The weight, in steps, of the tokens per step the plan predicts for a kind (`AutoPolicy.start`).
+PREDICTED_STEPS = 8
 # Most one-token steps run unjudged while a stopped kind's evidence could restart it.
 EVIDENCE_QUIET = 8
 _TABLE = 'break_even.json'
@@ -76,8 +82,9 @@ class State:
   Attributes:
     pays: whether the kind still pays for the row.
     idle: the row's steps since the kind stopped (0 while it pays).
-    tokens: tokens the row emitted in steps of the kind (since its last retry).
-    steps: steps of the kind that worked on the row (since its last retry).
+    tokens: tokens the row emitted in steps of the kind (since its last retry; at first, for
+      a kind predicted to pay, also its prediction's, as `PREDICTED_STEPS` steps).
+    steps: steps of the kind that worked on the row (since its last retry; the same).
     probe: steps of the kind before it is first checked.
     evidence: the tokens per step the kind's newest drafter says its drafts would have made
       in recent steps, judged from the text (NaN: it cannot tell; `Drafter.evidence`).
@@ -161,21 +168,58 @@ class AutoPolicy:
 
   def start_rows(self, data, settings) -> State:
     """Fresh accounts for rows with these `settings.RowSettings`, from the `plan.PlanData`."""
-    return self.start(self.row_costs(data.costs, settings.temperature == 0),
-                      settings.max_tokens, data.expected)
+    greedy = settings.temperature == 0
+    return self.start(self.row_costs(data.costs, greedy), settings.max_tokens, data.expected,
+                      greedy)
 
-  def start(self, costs: Array, max_tokens: Array, expected: Array | None = None) -> State:
+  def start(self, costs: Array, max_tokens: Array, expected: Array | None = None,
+            greedy: Array | None = None) -> State:
     """Fresh accounts for rows with budgets `max_tokens` [B]; costs: [B, K] (or [K]) the rows'
     break-evens (`row_costs`); expected: [K] tokens per step predicted (inf: unknown): a kind
-    predicted below its break-even starts stopped (its retries still sample it)."""
+    predicted below its break-even starts stopped (its retries still sample it); one predicted
+    at or above it starts paying whatever the budget affords, its account opened with
+    `PREDICTED_STEPS` steps at the predicted rate, so that a few unlucky steps do not stop it
+    and a row where it truly fails stops it within about as many more. The prediction is of
+    greedy acceptance: given `greedy` [B], sampled rows' accounts open empty."""
     b = max_tokens.shape[0]
     probe = probe_steps(costs, max_tokens[:, None],
                         jnp.asarray(self.least_probe, jnp.int32)[None, :], self.share)
+    tokens = steps = jnp.zeros((b, self.num_kinds), jnp.int32)
     if expected is not None:
-      probe = jnp.where(expected[None, :] < costs, 0, probe)
-    zeros = jnp.zeros((b, self.num_kinds), jnp.int32)
-    return State(pays=probe > 0, idle=zeros, tokens=zeros, steps=zeros, probe=probe,
+      predicted = jnp.isfinite(expected)[None, :]
+      probe = jnp.where(predicted & (expected[None, :] < costs), 0, probe)
+      # The budget bounds what drafts of unknown worth may lose; these are predicted to win.
+      # (SmolLM2's drafter at batch 4: a break-even of 2.1, where 128 tokens afforded no
+      # probe, or where the 8-step probe of the row that decides fell short on a docstring's
+      # first lines, so `auto` barely drafted while its tree alone made 3.5 tokens a step.)
+      rows = jnp.ones((b, 1), bool) if greedy is None else greedy[:, None]
+      wins = predicted & (expected[None, :] >= costs) & rows
+      steps = jnp.where(wins, PREDICTED_STEPS, 0).astype(jnp.int32)
+      tokens = jnp.where(wins, jnp.floor(expected[None, :] * PREDICTED_STEPS), 0
+                         ).astype(jnp.int32)
+      probe = jnp.where(wins, PREDICTED_STEPS + 1, probe)  # Judged from its first real step.
+    return State(pays=probe > 0, idle=jnp.zeros((b, self.num_kinds), jnp.int32), tokens=tokens,
+                 steps=steps, probe=probe,
                  evidence=jnp.full((b, self.num_kinds), jnp.nan, jnp.float32))
+
+  def wants(self, state: State, ready: Array, costs: Array | None = None) -> Array:
+    """[B] the kind each row wants (0: none): of the kinds that pay for it and are ready, the
+    one whose tokens per step go furthest against its break-even (`costs` [B, K]), not the
+    largest: a block with lookup beside the heads' tree may pay and still pay less than the
+    tree alone, most at larger batches. A kind still in its probe ranks first, the largest
+    first, so each is judged on its own steps before it is compared (as is every kind when
+    `costs` is None)."""
+    eligible = state.pays & ready  # [B, K]
+    steps = state.steps.astype(jnp.float32)
+    unjudged = (state.steps < state.probe) | (state.steps == 0)
+    if costs is None:
+      value = jnp.full(eligible.shape, jnp.inf)
+    else:
+      value = jnp.where(unjudged, jnp.inf,
+                        state.tokens / jnp.maximum(steps, 1) / jnp.maximum(costs, 1e-6))
+    value = jnp.where(eligible, value, -jnp.inf)
+    best = self.num_kinds - jnp.argmax(value[:, ::-1], axis=1)  # The largest of the best.
+    return jnp.where(jnp.any(eligible, axis=1), best, 0).astype(jnp.int32)
 
   def choose(self, state: State, ready: Array, active: Array, greedy: Array,
              remaining: Array, force: Array, costs: Array | None = None
@@ -189,13 +233,13 @@ class AutoPolicy:
       greedy: [B] greedy rows.
       remaining: [B] tokens each row still may make.
       force: [] a kind to run whatever the accounts say (-1: none; measurements).
-      costs: [B, K] the rows' break-evens (`row_costs`; needed under `throughput`).
+      costs: [B, K] the rows' break-evens (`row_costs`; needed under `throughput`; without
+        them each row wants its largest kind that pays).
 
     Returns:
       (kind [] in 0..K, row_kind [B]: the kind whose drafts each row verifies).
     """
-    kinds = jnp.arange(1, self.num_kinds + 1)
-    wants = jnp.max(jnp.where(state.pays & ready, kinds, 0), axis=1)  # [B]
+    wants = self.wants(state, ready, costs)
     deciding = _deciding(active, greedy, remaining)
     kind = jnp.max(jnp.where(deciding, wants, 0))
     if self.throughput:

@@ -205,6 +205,30 @@ def test_the_step_kind_comes_from_the_rows_accounts():
   assert int(kind) == 0 and np.asarray(row_kind).tolist() == [0, 0, 0]  # Forced: measuring.
 
 
+def test_a_row_wants_the_kind_that_goes_furthest_against_its_cost_not_the_largest():
+  policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
+  costs = jnp.asarray([[1.5, 3.0]] * 3)
+  ready = jnp.ones((3, 2), bool)
+  state = policy.start(costs, jnp.asarray([1000] * 3))
+  # Unjudged kinds rank first, the largest first: each is probed before it is compared.
+  assert np.asarray(policy.wants(state, ready, costs)).tolist() == [2, 2, 2]
+  # Judged: 3 tokens a step at 1.5 against 4 at 3.0 (both pay); row 1's kind 1 is still in
+  # its probe; row 2's lookup is not ready.
+  state = state.replace(tokens=jnp.asarray([[30, 40], [3, 40], [30, 40]]),
+                        steps=jnp.asarray([[10, 10], [1, 10], [10, 10]]),
+                        probe=jnp.asarray([[8, 4], [8, 4], [8, 4]]))
+  ready = ready.at[2, 1].set(False)
+  assert np.asarray(policy.wants(state, ready, costs)).tolist() == [1, 1, 1]
+  assert np.asarray(policy.wants(state, jnp.ones((3, 2), bool), costs)).tolist() == [1, 1, 1]
+  richer = state.replace(tokens=jnp.asarray([[30, 70], [30, 70], [30, 70]]),
+                         steps=jnp.asarray([[10, 10]] * 3))  # 7 tokens a step at 3.0 goes further.
+  assert np.asarray(policy.wants(richer, ready, costs)).tolist() == [2, 2, 1]
+  # Without costs (or where a kind stopped paying) the largest kind that pays.
+  assert np.asarray(policy.wants(state, ready, None)).tolist() == [2, 2, 1]
+  stopped = state.replace(pays=jnp.asarray([[False, True], [False, False], [True, True]]))
+  assert np.asarray(policy.wants(stopped, ready, costs)).tolist() == [2, 0, 1]
+
+
 def test_a_servers_batch_drafts_only_where_the_batch_gains():
   """Under `throughput` (continuous batching) the deciding greedy row's kind runs only where the
   batch's tokens per unit of cost beat the smallest step the sampled rows allow."""
@@ -275,12 +299,31 @@ def test_plans_measure_sampled_rows_break_even_unless_greedy_only(model, prompts
   assert measured == [(1, False)] and np.asarray(engine.data.costs).tolist() == [[2.0], [2.0]]
 
 
-def test_a_kind_predicted_below_its_break_even_starts_stopped(tiny_workdir):
+def test_a_kind_predicted_below_its_break_even_starts_stopped_and_above_it_probes(
+    tiny_workdir):
   policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
   costs, budgets = jnp.asarray([1.5, 1.5]), jnp.asarray([1000])
   state = policy.start(costs, budgets, jnp.asarray([1.2, jnp.inf]))
   assert np.asarray(state.pays).tolist() == [[False, True]]
   assert np.asarray(state.probe)[0, 1] == auto.probe_steps(1.5, 1000, budget=policy.share)
+  # Predicted to pay, a kind pays even where the budget affords no probe, its account opened
+  # with the prediction: a run of failed steps stops it, a few do not.
+  short = jnp.asarray([16])
+  assert auto.probe_steps(1.5, 16, budget=policy.share) == 0
+  state = policy.start(costs, short, jnp.asarray([2.0, jnp.inf]))
+  n = auto.PREDICTED_STEPS
+  assert np.asarray(state.pays).tolist() == [[True, False]]
+  assert np.asarray(state.steps).tolist() == [[n, 0]]
+  assert np.asarray(state.tokens).tolist() == [[2 * n, 0]]
+  # The prediction is of greedy acceptance: a sampled row's account opens empty.
+  sampled = policy.start(costs, short, jnp.asarray([2.0, jnp.inf]), jnp.asarray([False]))
+  assert not np.any(np.asarray(sampled.pays)) and not np.any(np.asarray(sampled.steps))
+  one = jnp.ones((1,), jnp.int32)
+  for failed in range(1, 3 * n):
+    state = policy.observe(state, costs, one, one, one)  # Every draft rejected.
+    if not state.pays[0, 0]:
+      break
+  assert failed == n + 1  # 2n + k tokens over n + k steps pay at 1.5 while k <= n.
   # The plan predicts the heads' tree's tokens per step from their measured accuracies; the
   # block with lookup beside it has no prediction.
   loaded = mtp.load(tiny_workdir)
