@@ -17,7 +17,7 @@ an 8,192-id draft vocabulary) with the data and batch of an accelerator:
   * 64 rows of 256 tokens a step at the constant learning rate the data-scale curve of the
     README was trained with (`--config.optim.end_lr_fraction=1.0` there), so every checkpoint
     up to step 3,000 is a point on that curve; the last 1,000 steps anneal it (warmup-stable-
-    decay), which added about 0.08 tokens per step on CPU.
+    decay), which added about 0.08 tokens per step on CPU and 0.1 on the H200.
 """
 
 from configs import smollm2_demo
@@ -35,9 +35,9 @@ def get_config():
   c.optim.warmup_steps = 20
   c.optim.end_lr_fraction = 0.0
   c.optim.decay_steps = 1000       # steps 3,000-4,000 anneal; the ones before hold the peak
-  # 65M tokens, about 6.7 epochs: 4 minutes on an H200 (57.6 ms a step, 284k tokens/s, in
-  # float32 with the trunk in the step; the teacher's pass 508k tokens/s), compiles included
-  # about 6. device_drafter.sh stops it by the clock if it runs slower.
+  # 65M tokens, about 6.7 epochs: on an H200, float32, the trunk in the step, 4 min 56 s with
+  # evaluations and checkpoints (253k tokens/s), 6 min 12 s with the import, the teacher's
+  # labels and compiles. device_drafter.sh stops it by the clock if it runs slower.
   c.num_train_steps = 4000
   c.log_every_steps = 25
   c.eval_every_steps = 1000        # held-out τ is measured where it decodes: data_scale
