@@ -229,6 +229,40 @@ def test_a_row_wants_the_kind_that_goes_furthest_against_its_cost_not_the_larges
   assert np.asarray(policy.wants(stopped, ready, costs)).tolist() == [2, 0, 1]
 
 
+def test_a_batch_runs_the_larger_block_only_where_the_batch_gains_from_it():
+  """The row with most left wants the whole block (its lookup repeats: 8 tokens a step at 3.5);
+  the others make the heads' 3 tokens a step either way, so they would pay 3.5 for 3 tokens
+  where the heads' block costs them 1.8."""
+  policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))
+  costs = jnp.asarray([[1.8, 3.5]] * 4)
+  everyone, greedy = jnp.ones((4,), bool), jnp.ones((4,), bool)
+  remaining = jnp.asarray([100, 90, 90, 90])
+  ready = jnp.asarray([[True, True], [True, False], [True, False], [True, False]])
+  state = policy.start(costs, jnp.asarray([128] * 4)).replace(
+      pays=jnp.ones((4, 2), bool), tokens=jnp.asarray([[30, 80], [30, 30], [30, 30], [30, 30]]),
+      steps=jnp.asarray([[10, 10]] * 4), probe=jnp.asarray([[8, 4]] * 4))
+  assert np.asarray(policy.wants(state, ready, costs)).tolist() == [2, 1, 1, 1]
+  args = (ready, everyone, greedy, remaining, jnp.int32(-1), costs)
+  # (8 + 3 * 3) / (4 * 3.5) = 1.21 tokens per unit of cost, against 12 / 7.2 = 1.67.
+  kind, row_kind = policy.choose(state, *args)
+  assert int(kind) == 1 and np.asarray(row_kind).tolist() == [1, 1, 1, 1]
+  # At batch 1 (the others done) the row's own choice stands.
+  alone = jnp.asarray([True, False, False, False])
+  assert int(policy.choose(state, ready, alone, greedy, remaining, jnp.int32(-1), costs)[0]) == 2
+  # Where every row's text repeats, the whole block pays for the batch: (4 * 8) / 14 > 1.67.
+  repeating = state.replace(tokens=jnp.asarray([[30, 80]] * 4))
+  assert int(policy.choose(repeating, *args)[0]) == 2
+  # A sampled row that wants the whole block keeps it: its tokens must not depend on others.
+  sampled_wants = state.replace(tokens=state.tokens.at[3, 1].set(80))
+  greedy_but_3 = jnp.asarray([True, True, True, False])
+  kind, row_kind = policy.choose(sampled_wants, ready.at[3, 1].set(True), everyone,
+                                 greedy_but_3, remaining, jnp.int32(-1), costs)
+  assert int(kind) == 2 and np.asarray(row_kind).tolist() == [2, 2, 2, 2]
+  # A whole block still in the deciding row's probe runs, so that it is judged at all.
+  probing = state.replace(steps=jnp.asarray([[10, 2], [10, 10], [10, 10], [10, 10]]))
+  assert int(policy.choose(probing, *args)[0]) == 2
+
+
 def test_a_servers_batch_drafts_only_where_the_batch_gains():
   """Under `throughput` (continuous batching) the deciding greedy row's kind runs only where the
   batch's tokens per unit of cost beat the smallest step the sampled rows allow."""
