@@ -28,10 +28,11 @@ A step is one kind for the whole batch (one compiled block), and a batch runs un
 row is done, so the kind is the one wanted by the row with the most tokens left to make, or a
 smaller block where that gives the batch more tokens per unit of cost once that row has judged
 its kind (a larger block is paid by every row, for drafts that may pay for one:
-`_batch_block`); every greedy row verifies that step's drafts (free for it, and exact). A sampled row verifies only
-the drafts of the kind it wants itself, and a step is never smaller than what a sampled row
-wants: which tokens a sampled row draws then depends on its own account alone, not on its
-neighbours (`settings`). Rows joining a running batch start their own account. A server's
+`_batch_block`); every greedy row verifies that step's drafts (free for it, and exact). A
+sampled row verifies only the drafts of the kind it wants itself, and a step is never smaller
+than what a sampled row wants: which tokens a sampled row draws then depends on its own account
+alone, not on its neighbours (`settings`). Rows joining a running batch start their own
+account. A server's
 batch never ends (rows leave and others join: `AutoPolicy.throughput`): there that row's kind
 runs only where the batch's tokens per unit of cost, each row's from its own account, are at
 least those of the smallest step the sampled rows allow; else sampled rows that do not verify
