@@ -142,12 +142,18 @@ def _batch_value(state: State, costs: Array, active: Array, greedy: Array, wants
                                                           1e-6)
 
 
+def _unjudged(state: State) -> Array:
+  """[B, K] the kinds each row has not judged yet: still in their probe, or never run."""
+  return (state.steps < state.probe) | (state.steps == 0)
+
+
 def _batch_block(state: State, costs: Array, active: Array, greedy: Array, wants: Array,
-                 deciding: Array, kind: Array) -> Array:
+                 deciding: Array, kind: Array, floor: Array) -> Array:
   """[] the drafting kind of 1..kind (kind > 0: the deciding rows' choice) that gives the batch
   the most tokens per unit of cost (`_batch_value`; ties: the larger), once every deciding row
   that wants `kind` has judged it (a kind in its probe runs, or it would never be judged), and
-  never smaller than a sampled row wants (its tokens must not depend on its neighbours).
+  never smaller than `floor`, the largest kind a sampled row wants (its tokens must not depend
+  on its neighbours).
 
   A larger kind's block is a superset of a smaller one's, and every row pays for it: lookup's
   chain beside the heads' tree pays for the row whose text repeats, while the others pay its
@@ -155,12 +161,10 @@ def _batch_block(state: State, costs: Array, active: Array, greedy: Array, wants
   the whole block's break-even 3.50 against the tree's 1.79; `auto` 1.32x its autoregressive
   decoding, the heads' chain alone 1.42x). At batch 1 the choice is the row's own."""
   k = costs.shape[1]
-  column = jnp.maximum(kind - 1, 0)
-  judged = state.steps[:, column] >= jnp.maximum(state.probe[:, column], 1)
-  settled = jnp.all(~(deciding & (wants == kind)) | judged)
+  unjudged = _unjudged(state)[:, jnp.maximum(kind - 1, 0)]
+  settled = jnp.all(~(deciding & (wants == kind) & unjudged))
   values = jnp.stack([_batch_value(state, costs, active, greedy, wants, jnp.int32(j))
                       for j in range(1, k + 1)])
-  floor = jnp.max(jnp.where(active & ~greedy, wants, 0))
   kinds = jnp.arange(1, k + 1)
   values = jnp.where((kinds <= kind) & (kinds >= floor), values, -jnp.inf)
   best = k - jnp.argmax(values[::-1])  # The largest of the best.
@@ -239,7 +243,7 @@ class AutoPolicy:
     `costs` is None)."""
     eligible = state.pays & ready  # [B, K]
     steps = state.steps.astype(jnp.float32)
-    unjudged = (state.steps < state.probe) | (state.steps == 0)
+    unjudged = _unjudged(state)
     if costs is None:
       value = jnp.full(eligible.shape, jnp.inf)
     else:
@@ -270,11 +274,11 @@ class AutoPolicy:
     wants = self.wants(state, ready, costs)
     deciding = _deciding(active, greedy, remaining)
     kind = jnp.max(jnp.where(deciding, wants, 0))
+    floor = jnp.max(jnp.where(active & ~greedy, wants, 0))  # The smallest step sampled rows allow.
     if costs is not None and self.num_kinds > 1:
-      kind = _batch_block(state, costs, active, greedy, wants, deciding, kind)
+      kind = _batch_block(state, costs, active, greedy, wants, deciding, kind, floor)
     if self.throughput:
-      # The smallest step the sampled rows allow, unless the decider's pays for the batch.
-      floor = jnp.max(jnp.where(active & ~greedy, wants, 0))
+      # The sampled rows' floor, unless the decider's kind pays for the batch.
       value = lambda k: _batch_value(state, costs, active, greedy, wants, k)  # noqa: E731
       kind = jnp.where(value(kind) >= value(floor), kind, floor)
     kind = jnp.where(force >= 0, force, kind)
