@@ -182,11 +182,15 @@ def test_generate_auto_tree_measures_and_caches_accuracies(workdir, monkeypatch)
   from mtp.decode import measurements
   # cost_model_test covers measuring the curve; a fixed one keeps this test fast.
   curve = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 16: 3.0, 32: 6.0}
-  monkeypatch.setattr(cost_model, 'step_cost', lambda model, **kwargs: curve)
+  asked = []
+  monkeypatch.setattr(cost_model, 'step_cost',
+                      lambda model, **kwargs: asked.append(kwargs) or curve)
   loaded = mtp.load(workdir)
   ar = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, decoder='autoregressive')
   [auto] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree='auto')
   assert auto.tokens == ar[0].tokens
+  # The tree is priced by whole drafting steps at this batch size, as the loop runs them.
+  assert asked and all(k['drafting'] and k['batch_size'] == 1 for k in asked)
   assert measurements.read_table('head_accuracies.json')  # Measured once, kept in the cache.
   acc = calibration.workdir_accuracies(loaded)
   assert acc.shape == (3, 4) and ((acc >= 0) & (acc <= 1)).all()

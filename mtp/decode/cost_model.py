@@ -7,6 +7,11 @@ to dozens of tokens), so the default tree size is chosen from a measured curve:
 
   * `measure_step_cost` times one cached step (trunk, heads that run in the pass, and the
     logits of every node) for a few T, in a compiled loop so dispatch overhead is left out;
+    with `drafting`, the whole drafting step the decode loop runs (the heads drafting a tree
+    of T nodes, a branching tree's cache entries moved) against its one-token step, which is
+    what the tree choice prices: SmolLM2's EAGLE-3 drafter in bfloat16 at batch 1 drafts a
+    chain for 0.18 one-token steps more than verifying it (1.35 against 1.17), and an 8-node
+    tree for 0.22 more, so a tree's extra tokens pay less than verification alone says;
   * `step_cost` keeps the relative curve in the measurement cache per (device kind, model
     shape);
   * `choose_tree` picks the tree size that maximises expected tokens per unit of cost, given
@@ -30,6 +35,7 @@ from flax import nnx
 from mtp.decode import measurements
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
+from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32)
@@ -89,40 +95,78 @@ def _binary_tree(num_nodes: int) -> trees_lib.Tree:
   return trees_lib.tree_from_choices(paths[1:])
 
 
+def _drafted_tree(num_nodes: int, num_heads: int) -> trees_lib.Tree:
+  """A tree of num_nodes nodes shaped as `choose_tree`'s are (deepest along the top-1 path,
+  siblings near the root), no deeper than the heads: what a drafting step's cost is timed on."""
+  accuracies = [[0.6 * 0.3 ** r for r in range(num_nodes)]] * num_heads
+  return trees_lib.tree_from_accuracies(accuracies, num_nodes)
+
+
 @functools.partial(jax.jit, static_argnames=('graphdef', 'num_tokens', 'batch_size',
-                                             'context', 'iterations'))
-def _timed_loop(graphdef, params, *, num_tokens: int, batch_size: int, context: int,
-                iterations: int):
-  """`iterations` verification passes of a tree of num_tokens nodes (`_binary_tree`) after
-  `context` committed slots."""
+                                             'context', 'iterations', 'drafting'))
+def _timed_loop(graphdef, params, vocab_ids=None, *, num_tokens: int, batch_size: int,
+                context: int, iterations: int, drafting: bool = False):
+  """`iterations` steps over a tree of num_tokens nodes after `context` committed slots: its
+  verification pass and every node's logits; with `drafting` (and T > 1), the rest of a
+  drafting step as the decode loop runs it (`loop._drafting_step`) on a tree shaped as the
+  heads' (`_drafted_tree`, not `_binary_tree`): a branching tree's accepted entries moved into
+  place, then the heads drafting every node from the accepted run (`MTPModel.draft_tree`,
+  over the ids `vocab_ids` [N], or the whole vocabulary where None); every step accepts the
+  tree's first deepest path. With `drafting`, T = 1 is the loop's one-token step, which runs
+  no heads."""
   model = nnx.merge(graphdef, params)
-  cache = model.init_cache(batch_size, context + num_tokens)
-  lengths = jnp.full((batch_size,), context, jnp.int32)
-  tree = _binary_tree(num_tokens)
+  b = batch_size
+  drafts = drafting and num_tokens > 1
+  tree = _drafted_tree(num_tokens, model.mtp_num_heads) if drafts else _binary_tree(num_tokens)
+  depth = tree.max_depth
+  cache = model.init_cache(b, context + num_tokens + depth + 1)
+  lengths = jnp.full((b,), context, jnp.int32)
   positions = lengths[:, None] + jnp.asarray(tree.depth)[None, :]
+  mask = jnp.asarray(tree.attention_mask)
+  path = jnp.broadcast_to(jnp.asarray(tree.node_paths[int(np.argmax(tree.depth))]),
+                          (b, depth + 1))
+  vocab = model.draft_vocab(vocab_ids) if drafts and vocab_ids is not None else None
 
   def body(_, carry):
     tokens, cache = carry
-    out, cache = model.step(tokens, positions, cache, lengths, jnp.asarray(tree.attention_mask))
-    logits = model.logits(out.normed)  # Verification needs every node's logits.
-    # Feed the argmax back so no iteration can be hoisted or skipped.
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    out, cache = model.step(tokens, positions, cache, lengths,
+                            None if drafts and tree.is_chain else mask,
+                            with_heads=drafts or not drafting)
+    # Verification needs every node's logits; feeding their argmax (or the drafts made from
+    # them) back means no iteration can be hoisted or skipped.
+    chosen = jnp.argmax(model.logits(out.normed), axis=-1).astype(jnp.int32)
+    if not drafts:
+      return chosen, cache
+    if not tree.is_chain:
+      cache = kv_cache_lib.compact_layers(cache, lengths, path, model.num_verified_cache_layers)
+    features = jax.tree.map(lambda f: jnp.take_along_axis(
+        f, path.reshape(path.shape + (1,) * (f.ndim - 2)), axis=1), out.features)
+    # The run's tokens (root, path, the trunk's next token), then the heads' scratch columns.
+    run = jnp.pad(jnp.take_along_axis(chosen, path, axis=1), ((0, 0), (0, 1 + depth)))
+    drafted, cache = model.draft_tree(features, run, jnp.full((b,), depth, jnp.int32), cache,
+                                      lengths, tree, vocab=vocab)
+    return drafted.tokens.astype(jnp.int32).at[:, 0].set(chosen[:, 0]), cache
 
-  tokens = jnp.zeros((batch_size, num_tokens), jnp.int32)
+  tokens = jnp.zeros((b, num_tokens), jnp.int32)
   tokens, _ = jax.lax.fori_loop(0, iterations, body, (tokens, cache))
   return tokens
 
 
 def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, *,
-                      batch_size: int = 1, context: int = 256, iterations: int = 16,
+                      batch_size: int = 1, drafting: bool = False, draft_vocab_size: int = 0,
+                      context: int = 256, iterations: int = 16,
                       repeats: int = 5) -> dict[int, float]:
   """Seconds per cached verification step over a tree of T new tokens (`_binary_tree`), for each
-  T in token_counts.
+  T in token_counts; with `drafting`, per whole drafting step (`_timed_loop`).
 
   Args:
     model: an `MTPModel`.
     token_counts: the T to measure.
     batch_size: rows per step.
+    drafting: time the step's drafting too (a model with heads), and T = 1 as the loop's
+      one-token step.
+    draft_vocab_size: with `drafting`, N > 0: the heads draft over N ids (the cost does not
+      depend on which), as with a draft vocabulary; 0: over the whole vocabulary.
     context: committed cache slots each new token attends to (capped by max_seq_len).
     iterations: steps per compiled loop (dispatch is paid once per loop).
     repeats: timed loops per T; the fastest counts (least disturbed by other work).
@@ -132,14 +176,20 @@ def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   """
   if not token_counts or min(token_counts) < 1:
     raise ValueError(f'token_counts must be positive, got {token_counts}')
-  context = max(1, min(context, model.cfg.trunk.max_seq_len - max(token_counts)))
+  if drafting and model.mtp_num_heads == 0:
+    raise ValueError('a model without MTP heads has no drafting step to time')
+  room = max(token_counts) * (2 if drafting else 1)  # Drafting writes past the tree.
+  context = max(1, min(context, model.cfg.trunk.max_seq_len - room))
   if state_lib.fuse_by_default(model):  # Decoding's layout (`state.PreparedModel`).
     model = transformer.fused_projections(model)
   graphdef, params = nnx.split(model)
+  vocab_ids = (jnp.arange(draft_vocab_size, dtype=jnp.int32)
+               if drafting and draft_vocab_size else None)
   costs = {}
   for t in sorted(set(int(t) for t in token_counts)):
-    run = functools.partial(_timed_loop, graphdef, params, num_tokens=t,
-                            batch_size=batch_size, context=context, iterations=iterations)
+    run = functools.partial(_timed_loop, graphdef, params, vocab_ids, num_tokens=t,
+                            batch_size=batch_size, context=context, iterations=iterations,
+                            drafting=drafting)
     jax.block_until_ready(run())  # Compile and warm up.
     best = float('inf')
     for _ in range(repeats):
@@ -158,21 +208,27 @@ def relative(costs: Mapping[int, float]) -> dict[int, float]:
 
 
 def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
-              batch_size: int = 1, refresh: bool = False, **measure_kwargs) -> dict[int, float]:
+              batch_size: int = 1, drafting: bool = False, draft_vocab_size: int = 0,
+              refresh: bool = False, **measure_kwargs) -> dict[int, float]:
   """The relative cost curve {T: cost(T) / cost(1)}, measured once and kept in the measurement
   cache (`measurements.py`, `step_cost.json`), keyed by device kind, model shape, batch size
-  and the token counts.
+  and the token counts (and with `drafting`, the heads' configuration and draft vocabulary).
 
   Args:
     model: an `MTPModel`.
     token_counts: the T to measure (1 is always added).
     batch_size: rows per step.
+    drafting, draft_vocab_size: as `measure_step_cost`'s: whole drafting steps against the
+      loop's one-token step, or verification passes alone.
     refresh: measure again even when cached.
     **measure_kwargs: passed to `measure_step_cost`.
   """
   token_counts = tuple(sorted(set(int(t) for t in token_counts) | {1}))
   key = (f'{device_kind()}|{model_key(model)}|B{batch_size}|T{",".join(map(str, token_counts))}'
          '|tree')  # Timed on trees since 2026-12-03 (`_binary_tree`): older chain entries differ.
+  if drafting:
+    cfg = getattr(model, 'cfg', model)
+    key += f'|drafting-{measurements.digest(repr(cfg))}-N{draft_vocab_size}'
 
   def valid(entry) -> bool:
     curve = {int(t): float(c) for t, c in entry['relative'].items()}
@@ -181,7 +237,8 @@ def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   cached = None if refresh else measurements.lookup(_TABLE, key, valid)
   if cached is not None:
     return {int(t): float(c) for t, c in cached['relative'].items()}
-  seconds = measure_step_cost(model, token_counts, batch_size=batch_size, **measure_kwargs)
+  seconds = measure_step_cost(model, token_counts, batch_size=batch_size, drafting=drafting,
+                              draft_vocab_size=draft_vocab_size, **measure_kwargs)
   curve = relative(seconds)
   measurements.store(_TABLE, key, {'relative': {str(t): c for t, c in curve.items()},
                                    'seconds': {str(t): c for t, c in seconds.items()}})
@@ -197,8 +254,9 @@ def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = No
     accuracies: [depth, R] measured top-k accuracies of heads 1..depth (entry [d, r]: the rank-r
       candidate of head d + 1 is right, given the earlier drafts were); rows past the model's
       heads are dropped. None: no measurements, so a chain of every head's top-1.
-    cost: relative cost curve {T: cost(T) / cost(1)}; None: `step_cost(model)` (measured
-      once per device kind and model shape, then read from the cache).
+    cost: relative cost curve {T: cost(T) / cost(1)} of a step over T tokens; None:
+      `step_cost(model, drafting=True)` (whole drafting steps, measured once per device kind
+      and model, then read from the cache).
     candidates: tree sizes (nodes, root included) to consider; default every size the cost
       curve covers, from 2 up.
 
@@ -215,7 +273,7 @@ def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = No
     raise ValueError(f'accuracies must be [num_heads, top_k], got shape {acc.shape}')
   acc = acc[:num_heads]
   if cost is None:
-    cost = step_cost(model)
+    cost = step_cost(model, drafting=True)
   most = sum(acc.shape[1] ** d for d in range(1, acc.shape[0] + 1)) + 1
   if candidates is None:
     candidates = range(2, max(cost) + 1)

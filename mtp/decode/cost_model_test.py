@@ -76,3 +76,40 @@ def test_steps_are_timed_on_a_binary_tree():
 def test_a_cpu_is_named_by_its_model_features_and_cores():
   kind = cost_model.device_kind()
   assert kind.startswith('cpu:') and kind.endswith(' cores') and kind != 'cpu:cpu'
+
+
+@pytest.mark.parametrize('head_type,options', [
+    ('eagle', dict(eagle_features='fused', eagle_input='concat')),  # Drafts depth by depth.
+    ('medusa', {})])  # Drafts from the verification pass's state.
+def test_whole_drafting_steps_are_timed_and_kept_apart(tmp_path, monkeypatch, head_type,
+                                                       options):
+  import dataclasses
+  from flax import nnx
+  from mtp.model import mtp_model
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  cfg = dataclasses.replace(testing.tiny_config(head_type=head_type),
+                            head_options=tuple(sorted(options.items())))
+  model = mtp_model.MTPModel(cfg, rngs=nnx.Rngs(0))
+  kwargs = dict(token_counts=(2, 5), iterations=2, repeats=1)
+  drafting = cost_model.step_cost(model, drafting=True, draft_vocab_size=16, **kwargs)
+  assert sorted(drafting) == [1, 2, 5] and drafting[1] == 1.0 and min(drafting.values()) > 0
+  cost_model.step_cost(model, **kwargs)  # Verification alone: an entry of its own.
+  cost_model.step_cost(model, drafting=True, **kwargs)  # The whole vocabulary: another.
+  assert len(measurements.read_table('step_cost.json')) == 3
+
+  def fail(*args, **kwargs):
+    raise AssertionError('measured again')
+  monkeypatch.setattr(cost_model, 'measure_step_cost', fail)
+  assert cost_model.step_cost(model, drafting=True, draft_vocab_size=16, **kwargs) == drafting
+
+
+def test_a_drafting_step_needs_heads():
+  with pytest.raises(ValueError, match='without MTP heads has no drafting step'):
+    cost_model.measure_step_cost(testing.tiny_model(0, mtp_num_heads=0), (2,), drafting=True)
+
+
+@pytest.mark.parametrize('nodes,heads', [(2, 1), (5, 4), (8, 4), (32, 4), (32, 1)])
+def test_drafting_is_timed_on_a_tree_the_heads_can_draft(nodes, heads):
+  tree = cost_model._drafted_tree(nodes, heads)
+  assert tree.num_nodes == nodes and tree.max_depth <= heads
+  assert tree.node_paths[np.argmax(tree.depth)][1] == 1  # Deepest along the top-1 path.

@@ -272,7 +272,7 @@ def _drafting_step(model, data, plan, vocab, s: LoopState, row_kind: Array | Non
   emitted = jnp.where(columns < num_accepted[:, None], shifted, next_token[:, None])
   logprobs = _logprobs(plan, jnp.take_along_axis(logits, path[..., None], axis=1), emitted)
   if not chain:  # A chain's accepted prefix already sits at lengths .. lengths + n.
-    cache = _compact(cache, s.lengths, path, m.num_verified_cache_layers)
+    cache = kv_cache_lib.compact_layers(cache, s.lengths, path, m.num_verified_cache_layers)
   head_drafts = None
   if plan.head_depth:  # The accepted path is contiguous in the cache now: draft from it.
     features = jax.tree.map(lambda f: jnp.take_along_axis(
@@ -303,16 +303,6 @@ def _one_token_step(model, data, plan, vocab, s: LoopState,
   logprobs = _logprobs(plan, logits[:, None], emitted)
   return _advance(plan, data, s, emitted, jnp.ones_like(s.lengths), next_token, logprobs,
                   cache, None)
-
-
-def _compact(cache: kv_cache_lib.KVCache, lengths: Array, path: Array,
-             num_layers: int) -> kv_cache_lib.KVCache:
-  """`kv_cache.compact` on the first num_layers layers (the ones the verification wrote)."""
-  moved = kv_cache_lib.compact(
-      kv_cache_lib.KVCache(keys=cache.keys[:num_layers], values=cache.values[:num_layers]),
-      lengths, path)
-  return kv_cache_lib.KVCache(keys=moved.keys + cache.keys[num_layers:],
-                              values=moved.values + cache.values[num_layers:])
 
 
 def _advance(plan, data, s: LoopState, emitted: Array, num_emitted: Array,

@@ -258,18 +258,18 @@ def _heads(o: Options):
     elif o.tree is None:
       superset = dynamic_trees.default_superset(heads) if heads else None
     else:
-      superset = _heads_tree(o, o.tree)
+      superset = _heads_tree(o, o.tree, size)
     if superset is None:
       raise ValueError('a dynamic tree (tree_budget) needs a model with MTP heads: this model '
                        'has mtp_num_heads=0')
-    budget = o.tree_budget or _heads_tree(o, trees_lib.AUTO).num_nodes
+    budget = o.tree_budget or _heads_tree(o, trees_lib.AUTO, size).num_nodes
     dynamic_trees.check_superset(superset, budget)
     tree = dynamic_trees.reachable(superset, budget)
     _check_draft_vocab_size(size, tree, o)
     drafter = dynamic_lib.DynamicHeadsDrafter(superset=tree, budget=int(budget),
                                               draft_vocab=size)
   else:
-    tree = _heads_tree(o, o.tree)
+    tree = _heads_tree(o, o.tree, size)
     _check_draft_vocab_size(size, tree, o)
     drafter = heads_lib.HeadsDrafter(heads_tree=tree, draft_vocab=size)
   if not size:
@@ -347,20 +347,21 @@ def _build_drafters(o: Options, names: list[str]) -> tuple[tuple, tuple]:
   return drafters, tuple(data for _, data in built)
 
 
-def _heads_tree(o: Options, choice) -> trees_lib.Tree:
-  """The heads' static tree for `choice` (names measured where they need it)."""
+def _heads_tree(o: Options, choice, draft_vocab_size: int) -> trees_lib.Tree:
+  """The heads' static tree for `choice` (names measured where they need it: 'auto' prices
+  whole drafting steps, the heads drafting over `draft_vocab_size` ids, 0: all of them)."""
   heads = o.cfg.mtp_num_heads
   if choice == trees_lib.AUTO:
     from mtp.decode import cost_model  # pylint: disable=import-outside-toplevel
     model = _model(o.source)
-    return cost_model.choose_tree(model, _accuracies(o.source),
-                                  cost=cost_model.step_cost(model, batch_size=o.batch_size))
+    return cost_model.choose_tree(model, _accuracies(o.source), cost=cost_model.step_cost(
+        model, batch_size=o.batch_size, drafting=True, draft_vocab_size=draft_vocab_size))
   if choice is None and o.decoder.adaptive and heads:
-    return _adaptive_default_tree(o)
+    return _adaptive_default_tree(o, draft_vocab_size)
   return trees_lib.static_tree(choice, heads)
 
 
-def _adaptive_default_tree(o: Options) -> trees_lib.Tree:
+def _adaptive_default_tree(o: Options, draft_vocab_size: int) -> trees_lib.Tree:
   """The `auto` decoder's heads' tree when the caller names none: the tree 'auto' builds (sized
   by this hardware's cost curve for the heads' measured accuracies), or a chain of every head
   where the accuracies cannot be measured (no workdir, no validation files).
@@ -374,7 +375,7 @@ def _adaptive_default_tree(o: Options) -> trees_lib.Tree:
   except (OSError, ValueError) as e:
     logging.info('auto: no measured head accuracies (%s); the heads draft a chain', e)
     return trees_lib.chain_tree(o.cfg.mtp_num_heads)
-  return _heads_tree(o, trees_lib.AUTO)
+  return _heads_tree(o, trees_lib.AUTO, draft_vocab_size)
 
 
 def _accuracies(source) -> np.ndarray:

@@ -161,6 +161,16 @@ def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
                  values=tuple(move(v) for v in cache.values))
 
 
+def compact_layers(cache: KVCache, lengths: jax.Array, path: jax.Array,
+                   num_layers: int) -> KVCache:
+  """`compact` on the first num_layers layers only (those a verification wrote; layers after
+  them belong to heads that write their own entries when they draft)."""
+  moved = compact(KVCache(keys=cache.keys[:num_layers], values=cache.values[:num_layers]),
+                  lengths, path)
+  return KVCache(keys=moved.keys + cache.keys[num_layers:],
+                 values=moved.values + cache.values[num_layers:])
+
+
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
            block_mask: jax.Array, own: tuple[jax.Array, jax.Array, jax.Array] | None = None
            ) -> jax.Array:
