@@ -191,12 +191,14 @@ plt.show()
 
 # %%
 from mtp.decode import calibration
-from mtp.decode import cost_model
+from mtp.decode import plan
 
 # Measured on held-out code once per set of weights, then read from the measurement cache.
 accuracies = calibration.workdir_accuracies(heads)
-tree = cost_model.choose_tree(heads.model, accuracies,
-                              cost=cost_model.step_cost(heads.model, batch_size=1))
+# The tree 'auto tree' decoded with above: sized by this machine's cost of whole drafting steps
+# (measured by that run, then read from the cache); kind 1 is the heads' drafter alone.
+tree = plan.resolve(heads, 'auto', max_new_tokens=NEW_TOKENS, tree='auto',
+                    lookup=0).plan.block(1)[0]
 print('top-k accuracy of each head (rows: heads 1..K, columns: rank 0..3):')
 print(accuracies.round(3))
 fig = plotting.tree_picture(tree, f'The auto tree of {MODEL} on {HARDWARE}', accuracies)

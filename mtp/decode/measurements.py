@@ -2,8 +2,8 @@
 
 Everything lives under `paths.cache_root()` (`$MTP_CACHE_DIR`, default ~/.cache/mtp), in
 `decode/`, one table per kind of measurement:
-  * `step_cost.json`: the verification cost curve, by device kind and model shape
-    (`cost_model.step_cost`);
+  * `step_cost.json`: the cost curves of verification passes and of whole drafting steps, by
+    device kind and model (`cost_model.step_cost`);
   * `break_even.json`: what a drafting step costs in one-token steps, by device, model, batch and
     block (`auto.break_even`);
   * `head_accuracies.json`: the heads' top-k accuracies, by the weights they were measured on
