@@ -32,12 +32,11 @@ its kind (a larger block is paid by every row, for drafts that may pay for one:
 sampled row verifies only the drafts of the kind it wants itself, and a step is never smaller
 than what a sampled row wants: which tokens a sampled row draws then depends on its own account
 alone, not on its neighbours (`settings`). Rows joining a running batch start their own
-account. A server's
-batch never ends (rows leave and others join: `AutoPolicy.throughput`): there that row's kind
-runs only where the batch's tokens per unit of cost, each row's from its own account, are at
-least those of the smallest step the sampled rows allow; else sampled rows that do not verify
-its drafts paid for its block (the demo model's server, mixed settings: `auto` at 0.46x plain
-decoding, now 0.83x).
+account. A server's batch never ends (rows leave and others join: `AutoPolicy.throughput`):
+there that row's kind runs only where the batch's tokens per unit of cost, each row's from its
+own account, are at least those of the smallest step the sampled rows allow; else sampled rows
+that do not verify its drafts paid for its block (the demo model's server, mixed settings:
+`auto` at 0.46x plain decoding, now 0.83x).
 
 Measured: see `break_even`; the README has the figures.
 """
