@@ -13,6 +13,13 @@ the capacity at all (chunks past its length change nothing, bit for bit), so dec
 caches differ in size (an offline call sized for its own tokens, a server's batch sized for
 its longest request) compute the same tokens. Capacities are multiples of `CHUNK`.
 
+On CPU a half-precision cache is stored as the raw bits of its values (uint16 buffers;
+`storage_dtype`): XLA:CPU slices and updates half-precision arrays in float32, and its
+compiler hoists that conversion out of the chunk loop, so each attention call converted its
+layer's whole buffer to float32, and each write converted it there and back: a cost in the
+capacity, not the context (SmolLM2 in bfloat16 at batch 4 with 1,280 slots: 67.5 ms a greedy
+step, 61.3 ms stored as bits). Reads and writes convert exactly (`stored`, `loaded`).
+
 A row-mapped call (`decode/row_mapped.py`: one row at a time, as a batch of one) sees each
 buffer as a `RowView`: the whole batch's buffer and the row it may touch. `write_rows` and
 `attend` read and write that row in place; slicing the row out and stacking it back instead
@@ -34,8 +41,9 @@ class KVCache:
   """Keys and values of every attention layer.
 
   Attributes:
-    keys: one [B, S, G, H] buffer per layer (rotary positions already applied).
-    values: one [B, S, G, H] buffer per layer.
+    keys: one [B, S, G, H] buffer per layer (rotary positions already applied), of
+      `storage_dtype` (half-precision values on CPU: their bits).
+    values: one [B, S, G, H] buffer per layer, as keys.
   """
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
@@ -79,8 +87,9 @@ class RowView:
                                  (1, size) + tuple(rest))
 
   def astype(self, dtype) -> jax.Array:
-    """The row's whole buffer (a copy) in `dtype`: for attention over an explicit mask."""
-    return self.read(0, self.buffer.shape[1]).astype(dtype)
+    """The row's whole buffer (a copy) as `dtype` values: for attention over an explicit
+    mask."""
+    return loaded(self.read(0, self.buffer.shape[1]), dtype)
 
 
 def row_views(cache: KVCache, row) -> KVCache:
@@ -94,6 +103,32 @@ def buffers(cache: KVCache) -> KVCache:
   """The whole buffers behind `row_views` (as written since)."""
   return KVCache(keys=tuple(k.buffer for k in cache.keys),
                  values=tuple(v.buffer for v in cache.values))
+
+
+def storage_dtype(dtype) -> jnp.dtype:
+  """What a cache of `dtype` values is stored as: their raw bits (uint16) where they are half
+  precision on CPU (see the module docstring), else `dtype` itself."""
+  return jnp.dtype(jnp.uint16) if products.on_fast_path(dtype) else jnp.dtype(dtype)
+
+
+def stored(x: jax.Array, storage) -> jax.Array:
+  """Values x as a buffer of `storage` dtype holds them (raw bits: x must be half precision,
+  or bits already, as `compact` moves them)."""
+  if jnp.dtype(storage) != jnp.uint16 or x.dtype == jnp.uint16:
+    return x.astype(storage)
+  if jnp.dtype(x.dtype).itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f'a cache stored as raw 16 bits holds half-precision values, not {x.dtype}')
+  return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+
+def loaded(x: jax.Array, dtype) -> jax.Array:
+  """A buffer's (or a slice's) contents as `dtype` values: `stored`'s inverse."""
+  if x.dtype != jnp.uint16:
+    return x.astype(dtype)
+  if jnp.dtype(dtype).itemsize != 2:
+    raise TypeError(f'a cache stored as raw 16 bits holds half-precision values; read them as '
+                    f'such, not as {jnp.dtype(dtype)}')
+  return jax.lax.bitcast_convert_type(x, dtype)
 
 
 def _read(buffer, start, size: int) -> jax.Array:
@@ -115,10 +150,12 @@ def round_capacity(capacity: int) -> int:
 def init_cache(num_layers: int, batch_size: int, capacity: int, num_kv_heads: int,
                head_dim: int, dtype=jnp.float32) -> KVCache:
   """Zero buffers for `num_layers` layers, each [batch_size, S, num_kv_heads, head_dim], with
-  S = `round_capacity(capacity)` >= capacity slots."""
+  S = `round_capacity(capacity)` >= capacity slots, of `dtype` values (stored as
+  `storage_dtype(dtype)`)."""
   shape = (batch_size, round_capacity(capacity), num_kv_heads, head_dim)
-  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-  return KVCache(keys=zeros, values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+  storage = storage_dtype(dtype)
+  zeros = tuple(jnp.zeros(shape, storage) for _ in range(num_layers))
+  return KVCache(keys=zeros, values=tuple(jnp.zeros(shape, storage) for _ in range(num_layers)))
 
 
 def write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
@@ -127,11 +164,11 @@ def write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.A
   if isinstance(buffer, RowView):
     start = (buffer.row, offsets[0]) + (0,) * (buffer.buffer.ndim - 2)
     return buffer.replace(buffer=jax.lax.dynamic_update_slice(
-        buffer.buffer, block.astype(buffer.dtype), start))
+        buffer.buffer, stored(block, buffer.dtype), start))
 
   def write_one(row, new, offset):
     start = (offset,) + (0,) * (row.ndim - 1)
-    return jax.lax.dynamic_update_slice(row, new.astype(row.dtype), start)
+    return jax.lax.dynamic_update_slice(row, stored(new, row.dtype), start)
   return jax.vmap(write_one)(buffer, block, offsets)
 
 
@@ -208,8 +245,8 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
   else:
     def chunk(i, carry):
       start = i * CHUNK
-      k = _read(keys, start, CHUNK).astype(jnp.float32)
-      v = _read(values, start, CHUNK).astype(jnp.float32)
+      k = loaded(_read(keys, start, CHUNK), jnp.float32)
+      v = loaded(_read(values, start, CHUNK), jnp.float32)
       relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
       in_block = jnp.take_along_axis(
           block_mask, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
@@ -328,7 +365,7 @@ def _shared_scores(q: jax.Array, keys: jax.Array) -> jax.Array:
   b, t, h, d = q.shape
   g = keys.shape[2]
   rows = jnp.transpose(_rows(q, g), (0, 2, 1, 3, 4)).reshape(b, g, t * (h // g), d)
-  scores = jnp.einsum('bgmd,bcgd->bgmc', products.padded_rows(rows, 2), keys.astype(q.dtype),
+  scores = jnp.einsum('bgmd,bcgd->bgmc', products.padded_rows(rows, 2), loaded(keys, q.dtype),
                       preferred_element_type=jnp.float32)[:, :, :t * (h // g)]
   return jnp.transpose(scores.reshape(b, g, t, h // g, -1), (0, 1, 3, 2, 4)) * d ** -0.5
 
@@ -337,7 +374,7 @@ def _shared_weighted(p: jax.Array, values: jax.Array, dtype) -> jax.Array:
   """p [B, G, R, T, C] (rounded to `dtype`) . values [B, C, G, d] -> [B, G, R, T, d]."""
   b, g, r, t, c = p.shape
   rows = jnp.transpose(p, (0, 1, 3, 2, 4)).reshape(b, g, t * r, c).astype(dtype)
-  out = jnp.einsum('bgmc,bcgd->bgmd', products.padded_rows(rows, 2), values.astype(dtype),
+  out = jnp.einsum('bgmc,bcgd->bgmd', products.padded_rows(rows, 2), loaded(values, dtype),
                    preferred_element_type=jnp.float32)[:, :, :t * r]
   return jnp.transpose(out.reshape(b, g, t, r, -1), (0, 1, 3, 2, 4))
 
@@ -347,7 +384,7 @@ def _query_weighted(p: jax.Array, values: jax.Array, dtype) -> jax.Array:
   bits as `_shared_weighted` where the values are the same."""
   r = p.shape[2]
   rows = jnp.transpose(p, (0, 3, 1, 2, 4)).astype(dtype)  # [B, T, G, R, C]
-  out = jnp.einsum('btgrc,btcgd->btgrd', products.padded_rows(rows, 3), values.astype(dtype),
+  out = jnp.einsum('btgrc,btcgd->btgrd', products.padded_rows(rows, 3), loaded(values, dtype),
                    preferred_element_type=jnp.float32)[:, :, :, :r]
   return jnp.transpose(out, (0, 2, 3, 1, 4))
 

@@ -204,6 +204,39 @@ def test_chunked_attention_equals_attention_over_the_whole_cache():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16])
+def test_a_half_precision_cache_on_cpu_is_stored_as_bits_and_read_back_exactly(dtype):
+  cache = kv_cache.init_cache(2, 1, 200, 2, 8, dtype)
+  assert all(b.dtype == jnp.uint16 for b in cache.keys + cache.values)
+  block = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 2, 8)), dtype)
+  written = kv_cache.write_rows(cache.keys[0], block, jnp.asarray([5]))
+  np.testing.assert_array_equal(np.asarray(kv_cache.loaded(written[:, 5:8], dtype)),
+                                np.asarray(block))
+  with pytest.raises(TypeError, match='half-precision'):
+    kv_cache.write_rows(cache.keys[0], block.astype(jnp.float32), jnp.asarray([5]))
+  with pytest.raises(TypeError, match='half-precision'):
+    kv_cache.loaded(written, jnp.float32)
+  assert kv_cache.init_cache(1, 1, 8, 2, 8, jnp.float32).keys[0].dtype == jnp.float32
+
+
+def test_a_half_precision_cache_is_never_converted_whole():
+  """XLA:CPU slices and updates half-precision arrays in float32 and hoists that conversion out
+  of the chunk loop: every call converted the layer's whole buffer, a cost in the capacity. The
+  bits are stored instead; no float32 array of a buffer's shape is left in the compiled step."""
+  cfg = testing.tiny_config(mtp_num_heads=0)
+  cfg = dataclasses.replace(cfg, trunk=dataclasses.replace(cfg.trunk, dtype='bfloat16',
+                                                           param_dtype='bfloat16'))
+  model = mtp_model.MTPModel(cfg, rngs=nnx.Rngs(0))
+  cache = model.init_cache(2, 1024)
+  lengths = jnp.asarray([40, 300], jnp.int32)
+  step = jax.jit(lambda cache: model.step(jnp.asarray([[5, 6], [7, 8]]),
+                                          lengths[:, None] + jnp.arange(2)[None], cache,
+                                          lengths, with_heads=False))
+  text = step.lower(cache).compile().as_text()
+  whole = ','.join(map(str, cache.keys[0].shape))
+  assert f'u16[{whole}]' in text and f'f32[{whole}]' not in text and f'bf16[{whole}]' not in text
+
+
 @pytest.mark.parametrize('scan', [False, True])
 def test_train_forward_returns_layer_inputs_and_the_same_hidden_state(scan):
   cfg = testing.tiny_config(num_layers=3)
