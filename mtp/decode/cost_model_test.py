@@ -113,3 +113,15 @@ def test_drafting_is_timed_on_a_tree_the_heads_can_draft(nodes, heads):
   tree = cost_model._drafted_tree(nodes, heads)
   assert tree.num_nodes == nodes and tree.max_depth <= heads
   assert tree.node_paths[np.argmax(tree.depth)][1] == 1  # Deepest along the top-1 path.
+
+
+@pytest.mark.parametrize('platform_name,flags,native', [
+    ('gpu', None, True), ('tpu', '', True),
+    ('cpu', 'fpu sse avx2 avx512f avx512_bf16 avx512_vnni', True),
+    ('cpu', 'fpu avx2 avx512f amx_tile amx_bf16', True),
+    ('cpu', 'fpu avx2 avx512f avx512_vnni', False), ('cpu', 'fpu avx2', False),
+    ('cpu', 'avx512_bf16x', False),  # Whole flags only.
+])
+def test_native_bfloat16_is_an_accelerator_or_a_cpu_with_bfloat16_instructions(
+    platform_name, flags, native):
+  assert cost_model.native_bfloat16(platform_name, flags) is native
