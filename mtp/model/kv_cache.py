@@ -107,22 +107,28 @@ def buffers(cache: KVCache) -> KVCache:
 
 def storage_dtype(dtype) -> jnp.dtype:
   """What a cache of `dtype` values is stored as: their raw bits (uint16) where they are half
-  precision on CPU (see the module docstring), else `dtype` itself."""
+  precision on CPU (see the module docstring), else `dtype` itself. Bits carry no gradient: a
+  cache that training differentiates through (EAGLE's unrolled drafter) keeps its dtype."""
   return jnp.dtype(jnp.uint16) if products.on_fast_path(dtype) else jnp.dtype(dtype)
 
 
 def stored(x: jax.Array, storage) -> jax.Array:
   """Values x as a buffer of `storage` dtype holds them (raw bits: x must be half precision,
   or bits already, as `compact` moves them)."""
-  if jnp.dtype(storage) != jnp.uint16 or x.dtype == jnp.uint16:
+  if x.dtype == jnp.dtype(storage):
+    return x
+  if jnp.dtype(storage) != jnp.uint16:
     return x.astype(storage)
   if jnp.dtype(x.dtype).itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f'a cache stored as raw 16 bits holds half-precision values, not {x.dtype}')
   return jax.lax.bitcast_convert_type(x, jnp.uint16)
 
 
-def loaded(x: jax.Array, dtype) -> jax.Array:
-  """A buffer's (or a slice's) contents as `dtype` values: `stored`'s inverse."""
+def loaded(x, dtype) -> jax.Array:
+  """A buffer's (a slice's, a `RowView`'s row) contents as `dtype` values: `stored`'s
+  inverse."""
+  if isinstance(x, RowView):
+    return x.astype(dtype)
   if x.dtype != jnp.uint16:
     return x.astype(dtype)
   if jnp.dtype(dtype).itemsize != 2:

@@ -193,7 +193,7 @@ class Attention(nnx.Module):
       if mask.ndim < 4:
         out = kv_cache_lib.attend(q, keys, values, lengths, mask)
         return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
-      k, v = keys.astype(q.dtype), values.astype(q.dtype)
+      k, v = kv_cache_lib.loaded(keys, q.dtype), kv_cache_lib.loaded(values, q.dtype)
     out = jax.nn.dot_product_attention(q, k, v, mask=mask)
     return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
 

@@ -219,6 +219,24 @@ def test_a_half_precision_cache_on_cpu_is_stored_as_bits_and_read_back_exactly(d
   assert kv_cache.init_cache(1, 1, 8, 2, 8, jnp.float32).keys[0].dtype == jnp.float32
 
 
+def test_attention_over_a_whole_mask_reads_a_cache_stored_as_bits():
+  """The [B, 1, T, S] mask path reads the buffers whole: as values, stored as bits or not."""
+  cfg = dataclasses.replace(testing.tiny_config(mtp_num_heads=0).trunk, dtype='bfloat16',
+                            param_dtype='bfloat16')
+  attention = transformer.Attention(cfg, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, cfg.embed_dim)), jnp.bfloat16)
+  positions, lengths = jnp.asarray([[4, 5, 6]]), jnp.asarray([4])
+  mask = (jnp.arange(kv_cache.CHUNK)[None, :] <= positions[0][:, None])[None, None]
+  shape = (1, kv_cache.CHUNK, cfg.num_kv_heads, cfg.head_dim)
+  plain = (jnp.zeros(shape, jnp.bfloat16),) * 2
+  bits = kv_cache.init_cache(1, 1, kv_cache.CHUNK, cfg.num_kv_heads, cfg.head_dim,
+                             jnp.bfloat16)
+  assert bits.keys[0].dtype == jnp.uint16
+  want, _ = attention(x, positions, mask, plain, lengths)
+  got, _ = attention(x, positions, mask, (bits.keys[0], bits.values[0]), lengths)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_a_half_precision_cache_is_never_converted_whole():
   """XLA:CPU slices and updates half-precision arrays in float32 and hoists that conversion out
   of the chunk loop: every call converted the layer's whole buffer, a cost in the capacity. The
