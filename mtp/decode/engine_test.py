@@ -1,14 +1,19 @@
 """The engine, the one door into the decode loop: per-row settings as data (one compiled
 decoder for every mix), seeds that hold whatever the batch, continuous batching, logprobs."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+from flax import nnx
 from scipy import stats
 
 from mtp.decode import engine as engine_lib
+from mtp.decode import loop
 from mtp.decode import settings as settings_lib
 from mtp.decode import state as state_lib
 from mtp.decode import testing as decode_testing
+from mtp.model import mtp_model
 from mtp.model import testing
 
 PROMPT_LENGTHS = np.array([7, 3, 5], np.int32)
@@ -219,3 +224,32 @@ def test_decoding_fuses_projections_on_cpu_and_gives_the_same_tokens(model):
                                             decoder=decoder, max_new_tokens=12)
                       for fuse in (True, False))
     np.testing.assert_array_equal(fused.tokens, unfused.tokens)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_a_row_decodes_the_same_wherever_its_prompts_prefill_chunks_fall(dtype, monkeypatch):
+  """The prefill's long chunks are the batch's (its longest prompt's whole long chunks, then
+  short ones). A 300-token prompt alone (one long chunk, then short ones) gives the same
+  tokens and log-probabilities, bit for bit, as in short chunks only, its first drafts (made
+  in the prefill) included. Beside a 600-token prompt (two long chunks) it gives the same
+  tokens, and in bfloat16 the same bits (float32 products at this width change a row's last
+  bits with the batch's size, whatever the chunks)."""
+  cfg = testing.tiny_config(head_type='eagle')
+  trunk = dataclasses.replace(cfg.trunk, max_seq_len=640, dtype=dtype, param_dtype=dtype)
+  model = mtp_model.MTPModel(dataclasses.replace(cfg, trunk=trunk), rngs=nnx.Rngs(0))
+  prompts = testing.random_tokens((2, 600), 61, seed=5)
+  lengths = np.array([300, 600], np.int32)
+  assert loop.LONG_PREFILL_CHUNK == 256 and loop.PREFILL_CHUNK == 64
+
+  def decode(rows):
+    return decode_testing.decode(model, prompts[rows], lengths[rows], decoder='speculative',
+                                 max_new_tokens=12, logprobs=2)
+
+  alone, beside = decode([0]), decode([0, 1])
+  monkeypatch.setattr(loop, 'LONG_PREFILL_CHUNK', 10_000)
+  short = decode([0])
+  np.testing.assert_array_equal(beside.tokens[0], alone.tokens[0])
+  for other in (short,) + ((beside,) if dtype == 'bfloat16' else ()):
+    np.testing.assert_array_equal(other.tokens[0], alone.tokens[0])
+    np.testing.assert_array_equal(other.logprobs[0], alone.logprobs[0])
+    np.testing.assert_array_equal(other.accepted_histogram[0], alone.accepted_histogram[0])
