@@ -324,11 +324,12 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
     return (order, _shared_scores(q, _read_blocks(keys, lengths, n)),
             _read_blocks(values, lengths, n))
 
-  # Only a block out of logical order reads them: a prefill chunk or a chain skips the sort
-  # and the products (2-3% of a long prompt's prefill on SmolLM2).
-  order, block_scores, block_values = jax.lax.cond(
-      in_order, lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                     jax.eval_shape(block_reads)), block_reads)
+  # Only a block out of logical order reads them: a one-token step never (static), a prefill
+  # chunk or a chain skips the sort and the products (2-3% of a long prompt's prefill).
+  if n > 1:
+    order, block_scores, block_values = jax.lax.cond(
+        in_order, lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                       jax.eval_shape(block_reads)), block_reads)
   gather = jax.vmap(lambda block, index: block[index])  # [N, G, d], [T, C] -> [T, C, G, d]
 
   def chunk(i, carry):
