@@ -255,6 +255,37 @@ def test_a_half_precision_cache_is_never_converted_whole():
   assert f'u16[{whole}]' in text and f'f32[{whole}]' not in text and f'bf16[{whole}]' not in text
 
 
+def test_a_half_precision_embedding_is_never_converted_whole():
+  """XLA:CPU gathers half-precision rows through float32, and in a decoding loop it hoisted the
+  conversion of the whole table out of the loop: every call converted it (SmolLM2: 28M values,
+  about 35 ms). The table's bits are gathered instead, with the same rows and gradient."""
+  cfg = testing.tiny_config(mtp_num_heads=0)
+  cfg = dataclasses.replace(cfg, trunk=dataclasses.replace(cfg.trunk, dtype='bfloat16',
+                                                           param_dtype='bfloat16'))
+  model = mtp_model.MTPModel(cfg, rngs=nnx.Rngs(0))
+  table = model.trunk.embedding.embedding[...]
+  assert table.dtype == jnp.bfloat16
+
+  @jax.jit
+  def steps(cache):
+    def step(i, carry):
+      token, cache = carry
+      lengths = jnp.full((1,), i, jnp.int32)
+      out, cache = model.step(token, lengths[:, None], cache, lengths, with_heads=False)
+      return jnp.argmax(model.logits(out.normed), -1).astype(jnp.int32), cache
+    return jax.lax.fori_loop(0, 4, step, (jnp.zeros((1, 1), jnp.int32), cache))[0]
+  text = steps.lower(model.init_cache(1, 8)).compile().as_text()
+  assert f'f32[{table.shape[0]},{table.shape[1]}]' not in text
+
+  ids = jnp.asarray([[3, 0, 3], [cfg.trunk.vocab_size - 1, 7, 2]])
+  np.testing.assert_array_equal(np.asarray(transformer.take_rows(table, ids), np.float32),
+                                np.asarray(jnp.take(table, ids, axis=0), np.float32))
+  loss = lambda take: lambda t: jnp.sum(take(t, ids).astype(jnp.float32) ** 2)
+  np.testing.assert_array_equal(
+      np.asarray(jax.grad(loss(transformer.take_rows))(table), np.float32),
+      np.asarray(jax.grad(loss(lambda t, i: jnp.take(t, i, axis=0)))(table), np.float32))
+
+
 @pytest.mark.parametrize('scan', [False, True])
 def test_train_forward_returns_layer_inputs_and_the_same_hidden_state(scan):
   cfg = testing.tiny_config(num_layers=3)
