@@ -291,6 +291,28 @@ def test_auto_drafts_over_its_default_draft_vocabulary_where_the_corpus_counts(
     mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, lookup=0, draft_vocab=16)
 
 
+def test_auto_fingerprints_a_loaded_models_weights_once_until_they_change(workdir, tmp_path,
+                                                                          monkeypatch):
+  """`auto` keys the heads' measured accuracies by the weights' fingerprints; reading every
+  weight on each call cost SmolLM2 0.2-0.7 s, so a loaded model keeps them."""
+  from mtp.checkpoint import fingerprint
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  loaded = mtp.load(workdir)
+  counted = []
+  real = fingerprint.fingerprints
+  monkeypatch.setattr(fingerprint, 'fingerprints',
+                      lambda tree: counted.append(1) or real(tree))
+  first = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=4, tree='auto')
+  again = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=4, tree='auto')
+  assert counted == [1] and first[0].tokens == again[0].tokens
+  assert loaded.weight_fingerprints() == real(nnx.state(loaded.model))
+  embedding = loaded.model.trunk.embedding.embedding
+  embedding.value = embedding.value.at[0, 0].add(1.0)  # Other weights: fingerprinted again.
+  mtp.generate(loaded, PROMPTS[:1], max_new_tokens=4, tree='auto')
+  assert counted == [1, 1]
+  assert loaded.weight_fingerprints() != real(nnx.state(mtp.load(workdir).model))
+
+
 def test_a_loaded_model_is_prepared_once_until_its_weights_change(workdir, monkeypatch):
   from mtp.decode import state as state_lib
   loaded = mtp.load(workdir)

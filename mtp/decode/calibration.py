@@ -160,10 +160,9 @@ def workdir_accuracies(loaded, num_prompts: int = 8, top_k: int = 4) -> np.ndarr
   Raises:
     ValueError: the corpus has no validation files to measure on.
   """
-  from mtp.checkpoint import fingerprint  # pylint: disable=import-outside-toplevel
   from mtp.data import corpora  # pylint: disable=import-outside-toplevel
   num_heads = loaded.model.cfg.mtp_num_heads
-  weights = fingerprint.fingerprints(nnx.state(loaded.model))
+  weights = loaded.weight_fingerprints()
   key = f'{measurements.digest(weights)}-R{top_k}-n{num_prompts}-even'
 
   def valid(entry) -> bool:
