@@ -332,6 +332,10 @@ def _drafter_names(o: Options, drafters: Sequence[str] | None) -> list[str]:
     names.remove('lookup')  # Named off, or beside a dynamic tree, which drafts alone.
   elif o.lookup and 'lookup' not in names:
     names.append('lookup')
+  if dynamic and 'heads' in names and len(names) > 1:
+    # Named before the heads are built: a dynamic tree may measure their accuracies first.
+    raise ValueError('a dynamic tree (tree_budget) drafts from the heads alone: give lookup=0 '
+                     f'or a static tree, got lookup={o.lookup}')
   if 'heads' in names and names.index('heads'):
     names.remove('heads')
     names.insert(0, 'heads')  # The heads' tree keeps its ranks as node 1 ..
@@ -340,11 +344,7 @@ def _drafter_names(o: Options, drafters: Sequence[str] | None) -> list[str]:
 
 def _build_drafters(o: Options, names: list[str]) -> tuple[tuple, tuple]:
   built = [DRAFTERS[name](o) for name in names]
-  drafters = tuple(d for d, _ in built)
-  if any(d.dynamic for d in drafters) and len(drafters) > 1:
-    raise ValueError('a dynamic tree (tree_budget) drafts from the heads alone: give lookup=0 '
-                     f'or a static tree, got lookup={o.lookup}')
-  return drafters, tuple(data for _, data in built)
+  return tuple(d for d, _ in built), tuple(data for _, data in built)
 
 
 def _heads_tree(o: Options, choice, draft_vocab_size: int) -> trees_lib.Tree:
