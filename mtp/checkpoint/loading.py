@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import jax
 import jax.numpy as jnp
