@@ -399,12 +399,15 @@ def _take_half_rows(table: Array, ids: Array) -> Array:
 
 
 def _take_half_rows_forward(table, ids):
-  return _take_half_rows(table, ids), (table, ids)
+  # The backward pass needs the table's rows and dtype only: an empty [V, 0] array keeps them
+  # without keeping the table (a cast copy, when a float32 table is read in half precision).
+  return _take_half_rows(table, ids), (jnp.zeros((table.shape[0], 0), table.dtype), ids)
 
 
 def _take_half_rows_backward(residuals, grad):
-  table, ids = residuals  # The table is only read for its shape and dtype (no copy is kept).
-  return jnp.zeros_like(table).at[ids].add(grad.astype(table.dtype)), None
+  rows, ids = residuals
+  zeros = jnp.zeros((rows.shape[0], grad.shape[-1]), rows.dtype)
+  return zeros.at[ids].add(grad.astype(rows.dtype)), None
 
 
 _take_half_rows.defvjp(_take_half_rows_forward, _take_half_rows_backward)
