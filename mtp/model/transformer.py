@@ -125,6 +125,42 @@ def training_mask(segment_ids: Array) -> Array:
   return (causal[None] & same)[:, None]
 
 
+def attend_with_own(q: Array, keys: Array, values: Array, mask: Array, own_keys: Array,
+                    own_values: Array) -> Array:
+  """Dense attention over a block's keys, as `mask` allows, and over keys of each query's own,
+  always visible, in one softmax.
+
+  EAGLE's training-time test: depth k's query at t sees depth 1's keys causally and its own
+  chain's keys of depths 2..k at t. Attending to the chains as K*T more masked keys would cost
+  K times the scores; these are E per query. Precision as `jax.nn.dot_product_attention`'s:
+  scores and softmax in float32, products in the inputs' dtype.
+
+  Args:
+    q: [B, T, H, d] queries (rotated).
+    keys, values: [B, S, G, d]; G divides H.
+    mask: [B, 1, T, S] which of them each query sees.
+    own_keys, own_values: [B, T, E, G, d].
+
+  Returns:
+    [B, T, H, d] in q's dtype.
+  """
+  b, t, h, d = q.shape
+  g = keys.shape[2]
+  queries = q.reshape(b, t, g, h // g, d)
+  precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
+  einsum = lambda spec, x, y: jnp.einsum(spec, x, y, precision=precision,
+                                         preferred_element_type=jnp.float32)
+  scores = einsum('btgrd,bsgd->bgrts', queries, keys) * d ** -0.5
+  scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+  own_scores = einsum('btgrd,btegd->bgrte', queries, own_keys) * d ** -0.5
+  probs = jax.nn.softmax(jnp.concatenate([scores, own_scores], axis=-1), axis=-1)
+  probs = probs.astype(values.dtype)
+  s = keys.shape[1]
+  out = (jnp.einsum('bgrts,bsgd->btgrd', probs[..., :s], values)
+         + jnp.einsum('bgrte,btegd->btgrd', probs[..., s:], own_values))
+  return out.reshape(b, t, h, d).astype(q.dtype)
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention with rotary positions and an optional KV cache."""
 
@@ -170,7 +206,10 @@ class Attention(nnx.Module):
     With `ancestors` = (keys, values), each [B, T, A, G, H] (rotated), the cache is only read:
     query t sees the committed slots (< lengths), then A keys of its own and its own new key
     (tree drafting: a node's ancestors, kept outside the cache). `mask` is unused, and the
-    second result is the new tokens' (keys, values) [B, T, G, H], not the cache.
+    second result is the new tokens' (keys, values) [B, T, G, H], not the cache. Without
+    `lengths`, the cache is a block's keys and values [B, S, G, H] seen as the [B, 1, T, S]
+    `mask` allows, besides the A + 1 keys of each query's own (EAGLE's training-time test:
+    `attend_with_own`).
     """
     cfg = self.cfg
     b, t, _ = x.shape
@@ -183,8 +222,11 @@ class Attention(nnx.Module):
     if ancestors is not None:
       own = tuple(jnp.concatenate([a, new[:, :, None]], axis=2) for a, new in
                   zip(ancestors, (k, v)))
-      out = kv_cache_lib.attend(q, cache[0], cache[1], lengths, jnp.zeros((t, 1), bool),
-                                own=own + (jnp.ones((t, own[0].shape[2]), bool),))
+      if lengths is None:
+        out = attend_with_own(q, cache[0], cache[1], mask, *own)
+      else:
+        out = kv_cache_lib.attend(q, cache[0], cache[1], lengths, jnp.zeros((t, 1), bool),
+                                  own=own + (jnp.ones((t, own[0].shape[2]), bool),))
       return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), (k, v)
     if cache is not None:
       keys = kv_cache_lib.write_rows(cache[0], k, lengths)

@@ -333,3 +333,25 @@ def test_train_forward_returns_layer_inputs_and_the_same_hidden_state(scan):
   with pytest.raises(ValueError, match=r'Trunk layer inputs \[3\] asked for; the trunk has '
                                        r'layers 0..2'):
     trunk.train_forward(tokens, positions, None, (3,))
+
+
+@pytest.mark.parametrize('dtype, tolerance', [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_attention_with_own_keys_is_dense_attention_over_them_as_more_slots(dtype, tolerance):
+  """`attend_with_own` (EAGLE's training-time test) equals attention over the block's keys and
+  every query's own E keys laid out as E*T more slots, each seen by its own query only."""
+  b, t, h, g, d, e = 2, 6, 4, 2, 8, 3
+  q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, d)).astype(dtype)
+             for i, n in enumerate((h, g, g)))
+  own_k, own_v = (jax.random.normal(jax.random.key(5 + i), (b, t, e, g, d)).astype(dtype)
+                  for i in range(2))
+  segments = jnp.asarray([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 0]])
+  mask = transformer.training_mask(segments)
+  out = transformer.attend_with_own(q, k, v, mask, own_k, own_v)
+  slots = lambda x, own: jnp.concatenate([x] + [own[:, :, i] for i in range(e)], axis=1)
+  diagonal = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, 1, t, t))
+  dense = jax.nn.dot_product_attention(
+      q, jnp.repeat(slots(k, own_k), h // g, axis=2), jnp.repeat(slots(v, own_v), h // g, axis=2),
+      mask=jnp.concatenate([mask] + [diagonal] * e, axis=-1))
+  assert out.dtype == dtype
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(dense, np.float32),
+                             atol=tolerance, rtol=tolerance)

@@ -53,7 +53,8 @@ Training (`model.eagle_train_features`):
   * 'drafted' (the default): depth k reads the true token x_{t+k} and its own predicted feature
     f'^{k-1}, and attends exactly as in drafting (the depth-1 entries of earlier positions, then
     its own chain), all depths in one pass: EAGLE-3's "training-time test". It costs K layer
-    passes over K*T keys per step.
+    passes per step; depth k's queries score T keys and k - 1 of their own chain
+    (`transformer.attend_with_own`), not the K*T keys of a buffer mostly masked.
   * 'trunk': only depth 1 is trained, on the trunk's features (EAGLE-1); head k's output at t is
     depth 1's at t+k-1. (So head k's accuracy is depth 1's at shifted positions: with this
     mode every head reports about the same accuracy.)
@@ -201,25 +202,6 @@ class Eagle3Layer(nnx.Module):
     return h + self.mlp(self.mlp_norm(h)), cache
 
 
-def depth_mask(mask: Array, depth: int, num_depths: int) -> Array:
-  """The training mask of depth `depth` (1-based) over the keys of all depths.
-
-  Args:
-    mask: [B, 1, T, T] the training mask (causal within each packed document).
-    depth: the depth whose queries these are.
-    num_depths: K; keys are laid out depth by depth, T slots each.
-
-  Returns:
-    [B, 1, T, K*T]: query t sees depth 1's keys as `mask` allows (the trunk-fed entries of
-    earlier positions) and, of each depth 2..depth, the key at its own t (its draft chain).
-  """
-  b, _, t, _ = mask.shape
-  own = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, 1, t, t))
-  none = jnp.zeros((b, 1, t, t), bool)
-  parts = [mask] + [own] * (depth - 1) + [none] * (num_depths - depth)
-  return jnp.concatenate(parts, axis=-1)
-
-
 def shift_left(x: Array, shift: int) -> Array:
   """x [B, T, ...] -> x[:, t + shift] at t, zeros past the end."""
   if not shift:
@@ -360,12 +342,10 @@ class EagleDrafter(heads.HeadFamily):
       attention = flops.attention_flops(cfg, batch_size, seq_len, count)
       return flops.HeadFlops(fuse + projection + block, attention, block + attention)
     # Every depth runs the shared layer over all T positions. Depth d's queries attend to depth
-    # 1's keys causally and to one key of each earlier depth; the program scores them against
-    # all K*T keys of its buffer.
+    # 1's keys causally and to the d - 1 keys of their own chain (`attend_with_own`).
     k = num_heads
     per_depth = [flops.attention_flops(cfg, batch_size, seq_len, count) +
-                 (4.0 * batch_size * cfg.num_attention_heads * hd * seq_len
-                  * ((depth - 1) if count == 'causal' else (k - 1) * seq_len))
+                 4.0 * batch_size * cfg.num_attention_heads * hd * seq_len * (depth - 1)
                  for depth in range(1, k + 1)]
     return flops.HeadFlops(fuse + k * (projection + block), sum(per_depth),
                            0.0)  # Not rematerialised.
@@ -404,17 +384,22 @@ class EagleDrafter(heads.HeadFamily):
                                         mask, remat=trunk.cfg.remat != 'none')
       first = self._output(first)
       return [shift_left(first, depth) for depth in range(k)]
-    # Every depth's keys and values in one buffer, T slots per depth (see `depth_mask`).
+    # Depth 1 attends causally to its own keys; depth k >= 2 to depth 1's (as `mask` allows),
+    # then to its chain's at t: depths 2..k-1's and its own (`transformer.attend_with_own`).
     b, t = tokens.shape
     cfg = trunk.cfg
     dtype = transformer.dtype_of(cfg.dtype)
-    shape = (b, k * t, cfg.num_kv_heads, cfg.head_dim)
-    layer_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    shape = (b, t, cfg.num_kv_heads, cfg.head_dim)
+    first_keys = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    chain = (jnp.zeros((b, t, 0) + shape[2:], dtype),) * 2
     outputs = []
     for depth in range(1, k + 1):
       x = self._input(next_embeds[depth - 1], features)
-      features, layer_cache = layer(x, positions + depth - 1, depth_mask(mask, depth, k),
-                                    layer_cache, jnp.full((b,), (depth - 1) * t, jnp.int32))
+      if depth == 1:
+        features, first_keys = layer(x, positions, mask, first_keys, jnp.zeros((b,), jnp.int32))
+      else:
+        features, new = layer(x, positions + depth - 1, mask, first_keys, ancestors=chain)
+        chain = tuple(jnp.concatenate([c, n[:, :, None]], axis=2) for c, n in zip(chain, new))
       outputs.append(self._output(features))
     return outputs
 
