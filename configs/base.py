@@ -76,6 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
   # instead of one label token. Costs one more output-layer product per head token.
   c.distill.soft_labels = False
   c.distill.batch_size = 8         # rows per trunk pass (or rollout) while building that cache
+  # That pass's precision: 'model' (model.dtype), 'float32' or 'bfloat16' (twice float32's
+  # speed on a CPU with AMX). The targets are then the greedy tokens of the trunk in it.
+  c.distill.dtype = 'model'
   c.distill.prompt_len = 32        # 'rollout': prompt tokens per row; the trunk writes the rest
 
   c.model = ml_collections.ConfigDict()

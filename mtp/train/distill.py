@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -23,6 +25,8 @@ from mtp.train import trunk_cache
 # 'text': the corpus; 'teacher': the base trunk's greedy next token on the corpus; 'rollout': the
 # base trunk's greedy continuations of prompts cut from the corpus (see `trunk_cache`).
 DISTILL_TARGETS = ('text', 'teacher', 'rollout')
+# The trunk pass's precision: 'model' (model.dtype), 'float32' or 'bfloat16'.
+DISTILL_DTYPES = ('model', 'float32', 'bfloat16')
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -33,6 +37,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if distill.targets not in DISTILL_TARGETS:
     raise ValueError(f'distill.targets must be one of {DISTILL_TARGETS}, got '
                      f'{distill.targets!r}.')
+  if distill.get('dtype', 'model') not in DISTILL_DTYPES:
+    raise ValueError(f'distill.dtype must be one of {DISTILL_DTYPES}, got {distill.dtype!r}.')
   if distill.targets != 'text' and not config.get('init_from'):
     raise ValueError(f"distill.targets={distill.targets!r} needs init_from: the pretrained "
                      'workdir whose trunk is the teacher.')
@@ -65,6 +71,27 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def uses_trunk_cache(config: ml_collections.ConfigDict) -> bool:
   distill = config.get('distill')
   return distill is not None and (distill.targets != 'text' or distill.cache_trunk_states)
+
+
+def pass_dtype(config: ml_collections.ConfigDict) -> str:
+  """The precision ('float32' | 'bfloat16') the trunk pass runs in (`distill.dtype`)."""
+  name = config.distill.get('dtype', 'model')
+  return config.model.dtype if name == 'model' else name
+
+
+def in_precision(trainer, params: nnx.State, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
+  """The trainer's model definition and `params` with weights and activations in `dtype`:
+  unchanged when that is already the model's activations' precision."""
+  from mtp.model import mtp_model  # pylint: disable=import-outside-toplevel
+  trunk = trainer.model_config.trunk
+  if dtype == trunk.dtype:
+    return trainer.graphdef, params
+  model_config = dataclasses.replace(
+      trainer.model_config, trunk=dataclasses.replace(trunk, dtype=dtype, param_dtype=dtype))
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: mtp_model.MTPModel(model_config,
+                                                                    rngs=nnx.Rngs(0))))
+  return graphdef, jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def cached_layer_inputs(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -118,7 +145,10 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
   distill = config.distill
   store_hidden = bool(distill.cache_trunk_states)
   layers = cached_layer_inputs(config)
-  description = f'{trainer.model_config.trunk}|{source}|step {source_step}'
+  dtype = pass_dtype(config)
+  # The pass's precision, not the training's, decides what the cache holds.
+  trunk = dataclasses.replace(trainer.model_config.trunk, dtype=dtype)
+  description = f'{trunk}|{source}|step {source_step}'
   states = trunk_cache.stored_names(store_hidden, bool(layers))
   if distill.targets == 'rollout':
     prompts = trunk_cache.rollout_prompts(arrays, distill.prompt_len)[:max_rows]
@@ -142,20 +172,20 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
               for name in names}
   elif distill.targets == 'rollout':
     # The teacher is always the source's trunk, also when resuming a fine-tuned one.
-    rollout = functools.partial(trunk_cache.rollout_forward(trainer.graphdef, seq_len, layers),
-                                base_params())
+    graphdef, params = in_precision(trainer, base_params(), dtype)
+    rollout = functools.partial(trunk_cache.rollout_forward(graphdef, seq_len, layers), params)
     logging.info('Greedy continuations by the trunk of %s of %d prompts of %d tokens, to %d '
-                 'tokens -> %s.', source, prompts.shape[0], prompts.shape[1], seq_len,
-                 directory)
+                 'tokens, in %s -> %s.', source, prompts.shape[0], prompts.shape[1], seq_len,
+                 dtype, directory)
     cached = trunk_cache.build_rollouts(prompts, rollout, directory, seq_len=seq_len,
                                         batch_size=distill.batch_size,
                                         store_hidden=store_hidden,
                                         store_layer_inputs=bool(layers))
   else:
-    forward = functools.partial(trunk_cache.trunk_forward(trainer.graphdef, layers),
-                                base_params())
-    logging.info('One pass of the trunk of %s over %d rows -> %s.', source,
-                 arrays['tokens'].shape[0], directory)
+    graphdef, params = in_precision(trainer, base_params(), dtype)
+    forward = functools.partial(trunk_cache.trunk_forward(graphdef, layers), params)
+    logging.info('One pass of the trunk of %s over %d rows in %s -> %s.', source,
+                 arrays['tokens'].shape[0], dtype, directory)
     cached = trunk_cache.build(arrays, forward, directory, batch_size=distill.batch_size,
                                store_hidden=store_hidden, store_layer_inputs=bool(layers))
   if kept is not None and not is_kept:

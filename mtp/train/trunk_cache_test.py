@@ -122,6 +122,29 @@ def test_teacher_targets_are_the_trunks_own_greedy_tokens(trained_workdir, tmp_p
   assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == before
 
 
+def test_a_bfloat16_pass_gives_the_bfloat16_trunks_greedy_tokens(trained_workdir, tmp_path):
+  """`distill.dtype`: the pass (a float32 model's) runs in bfloat16, under its own cache key."""
+  config = _heads_config(trained_workdir, **{'distill.targets': 'teacher',
+                                             'distill.cache_trunk_states': True,
+                                             'distill.dtype': 'bfloat16'})
+  trainer_lib.train_and_evaluate(config, tmp_path / 'bf16')
+  [directory] = (tmp_path / 'bf16' / 'trunk_cache').iterdir()
+  targets = np.load(directory / 'targets.npy')
+  [split] = (tmp_path / 'bf16' / 'data_cache').glob('train-*.npz')
+  rows = dict(np.load(split))
+  source = mtp.load(trained_workdir, dtype='bfloat16').model
+  normed = source(rows['tokens'][:4], rows['positions'][:4], rows['segment_ids'][:4])[0]
+  greedy = np.argmax(np.asarray(source.logits(normed), np.float32), axis=-1)
+  # Only near-ties may differ: bfloat16 sums depend on the batch's shape (the pass pads to 8).
+  assert np.mean(targets[:4, 1:] == greedy[:, :-1]) >= 0.97
+  config.distill.dtype = 'model'  # float32: another pass, in another cache.
+  trainer_lib.train_and_evaluate(config, tmp_path / 'f32')
+  [f32] = (tmp_path / 'f32' / 'trunk_cache').iterdir()
+  assert f32.name != directory.name
+  hidden, hidden_bf16 = (np.load(d / 'trunk_hidden.npy') for d in (f32, directory))
+  assert 0 < np.abs(hidden - hidden_bf16).max() < 0.1 * np.abs(hidden).max()
+
+
 def test_teacher_targets_also_guide_a_finetuned_trunk(trained_workdir, tmp_path):
   """Medusa-2 with self-distillation: only the targets are cached, the trunk trains."""
   config = _heads_config(trained_workdir, **{'distill.targets': 'teacher',
@@ -183,6 +206,7 @@ def test_rollout_rows_are_the_trunks_greedy_continuations(trained_workdir, tmp_p
     ({'distill.cache_trunk_states': True, 'optim.mode': 'finetune'},
      "only a frozen trunk's states can be reused"),
     ({'distill.batch_size': 0}, 'distill.batch_size must be positive'),
+    ({'distill.dtype': 'float16'}, 'distill.dtype must be one of'),
     ({'distill.soft_labels': True, 'optim.mode': 'finetune'},
      'the frozen pretrained trunk is the teacher'),
     ({'distill.soft_labels': True, 'model.mtp_num_heads': 0}, 'model.mtp_num_heads is 0'),
