@@ -22,7 +22,8 @@ def get_config():
   c = smollm2_eagle3.get_config()
   c.distill.targets = 'teacher'
   c.mtp_head_draft_vocab = 8192
-  c.data.max_corpus_bytes = 600_000  # About 170k tokens of code and prose: a 5-minute pass.
+  c.data.max_corpus_bytes = 600_000  # About 160k tokens of code and prose: a 2-5-minute pass.
+  c.distill.batch_size = 8  # Rows per pass call: 1150 tokens/s in bfloat16 on 2 cores, 940 at 48.
   c.num_train_steps = 200
   c.optim.warmup_steps = 10
   c.eval_every_steps = 200

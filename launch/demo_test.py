@@ -9,9 +9,11 @@ from absl import flags
 from absl.testing import flagsaver
 import pytest
 
+from configs import tiny
 from launch import cli
 from launch import demo
 from mtp import testing as mtp_testing
+from mtp.checkpoint import checkpointing
 from mtp.checkpoint import workdir_lock
 from mtp.train import divergence
 from mtp.train import preemption
@@ -49,13 +51,30 @@ def test_the_demo_trains_a_drafter_on_a_frozen_base_and_decodes_code_and_prose(t
               '--config.distill.targets=teacher', '--config.distill.cache_trunk_states=True',
               '--config.model.mtp_head_type=eagle', '--config.model.eagle_features=fused',
               '--config.model.eagle_input=concat', '--config.mtp_head_draft_vocab=64',
-              f'--base={tmp_path / "never_read"}')
+              f'--base={tmp_path / "never_read"}', '--dtype=bfloat16')
   assert 'on the frozen trunk of' in out and 'Importing' not in out
+  assert 'bfloat16 activations' in out and 'Decoding in bfloat16' in out
+  saved = checkpointing.load_config(tmp_path / 'wd').model  # Mixed precision: float32 weights.
+  assert (saved.dtype, saved.param_dtype) == ('bfloat16', 'float32')
   for kind in ('code', 'prose'):
     assert f'held-out {kind} prompts' in out
   assert len(re.findall(r'outputs matched: yes \(2/2 prompts\)', out)) == 2, out[-2000:]
   assert re.search(r'auto .* outputs matched', out) and not re.search(r'speculative .* matched',
                                                                         out)
+
+
+def test_a_drafter_trains_in_the_precision_asked_for_or_its_workdirs_or_the_machines(
+    tmp_path, monkeypatch):
+  from mtp.decode import cost_model
+  for native, expected in ((True, 'bfloat16'), (False, 'float32')):
+    monkeypatch.setattr(cost_model, 'native_bfloat16', lambda native=native: native)
+    assert demo.drafter_training_dtype('float32', tmp_path, None) == expected
+    assert demo.drafter_training_dtype('float32', tmp_path, 'float32') == 'float32'
+  trained = tiny.get_config()
+  trained.model.dtype = 'bfloat16'
+  checkpointing.save_config(tmp_path, trained)
+  assert demo.drafter_training_dtype('float32', tmp_path, None) == 'bfloat16'  # Its pass.
+  assert demo.drafter_training_dtype('float32', tmp_path, 'float32') == 'float32'
 
 
 def test_a_missing_base_is_imported_once(tmp_path, monkeypatch):
