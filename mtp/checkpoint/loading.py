@@ -12,7 +12,6 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from etils import epath
 from flax import nnx
@@ -124,9 +123,6 @@ def load(workdir: str | os.PathLike, step: int | None = None,
   if dtype is not None and (dtype, dtype) != (config.model.dtype, config.model.param_dtype):
     with config.unlocked():
       config.model.dtype = config.model.param_dtype = dtype
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: mtp_model.MTPModel(
-        mtp_model.ModelConfig.from_config(config.model), rngs=nnx.Rngs(0))))
-    params = jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    _, graphdef, params = mtp_model.in_precision(model_config, params, dtype)
   return LoadedModel(model=nnx.merge(graphdef, params), tokenizer=tokenizer, config=config,
                      step=step, workdir=workdir)

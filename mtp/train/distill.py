@@ -12,7 +12,6 @@ import pathlib
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -83,15 +82,10 @@ def in_precision(trainer, params: nnx.State, dtype: str) -> tuple[nnx.GraphDef, 
   """The trainer's model definition and `params` with weights and activations in `dtype`:
   unchanged when that is already the model's activations' precision."""
   from mtp.model import mtp_model  # pylint: disable=import-outside-toplevel
-  trunk = trainer.model_config.trunk
-  if dtype == trunk.dtype:
+  if dtype == trainer.model_config.trunk.dtype:
     return trainer.graphdef, params
-  model_config = dataclasses.replace(
-      trainer.model_config, trunk=dataclasses.replace(trunk, dtype=dtype, param_dtype=dtype))
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: mtp_model.MTPModel(model_config,
-                                                                    rngs=nnx.Rngs(0))))
-  return graphdef, jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+  _, graphdef, params = mtp_model.in_precision(trainer.model_config, params, dtype)
+  return graphdef, params
 
 
 def cached_layer_inputs(config: ml_collections.ConfigDict) -> tuple[int, ...]:
