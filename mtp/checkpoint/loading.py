@@ -123,6 +123,6 @@ def load(workdir: str | os.PathLike, step: int | None = None,
   if dtype is not None and (dtype, dtype) != (config.model.dtype, config.model.param_dtype):
     with config.unlocked():
       config.model.dtype = config.model.param_dtype = dtype
-    _, graphdef, params = mtp_model.in_precision(model_config, params, dtype)
+    graphdef, params = mtp_model.in_precision(model_config, params, dtype)
   return LoadedModel(model=nnx.merge(graphdef, params), tokenizer=tokenizer, config=config,
                      step=step, workdir=workdir)

@@ -104,13 +104,13 @@ class ModelConfig:
 
 
 def in_precision(config: ModelConfig, params: nnx.State,
-                 dtype: str) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
-  """`config` with weights and activations in `dtype` ('float32' | 'bfloat16'), the model
-  definition it builds, and `params` (of a model of `config`) cast to it."""
+                 dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
+  """The definition of a model of `config` with weights and activations in `dtype` ('float32' |
+  'bfloat16'), and `params` (of a model of `config`) cast to it."""
   config = dataclasses.replace(config, trunk=dataclasses.replace(config.trunk, dtype=dtype,
                                                                  param_dtype=dtype))
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: MTPModel(config, rngs=nnx.Rngs(0))))
-  return config, graphdef, jax.tree.map(
+  return graphdef, jax.tree.map(
       lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 

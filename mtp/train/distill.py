@@ -78,14 +78,13 @@ def pass_dtype(config: ml_collections.ConfigDict) -> str:
   return config.model.dtype if name == 'model' else name
 
 
-def in_precision(trainer, params: nnx.State, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
-  """The trainer's model definition and `params` with weights and activations in `dtype`:
-  unchanged when that is already the model's activations' precision."""
+def _teacher(trainer, params: nnx.State, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
+  """The trainer's model definition and `params` for a pass in `dtype`: as they are when that
+  is the model's activations' precision, else both in it (`mtp_model.in_precision`)."""
   from mtp.model import mtp_model  # pylint: disable=import-outside-toplevel
   if dtype == trainer.model_config.trunk.dtype:
     return trainer.graphdef, params
-  _, graphdef, params = mtp_model.in_precision(trainer.model_config, params, dtype)
-  return graphdef, params
+  return mtp_model.in_precision(trainer.model_config, params, dtype)
 
 
 def cached_layer_inputs(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -166,7 +165,7 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
               for name in names}
   elif distill.targets == 'rollout':
     # The teacher is always the source's trunk, also when resuming a fine-tuned one.
-    graphdef, params = in_precision(trainer, base_params(), dtype)
+    graphdef, params = _teacher(trainer, base_params(), dtype)
     rollout = functools.partial(trunk_cache.rollout_forward(graphdef, seq_len, layers), params)
     logging.info('Greedy continuations by the trunk of %s of %d prompts of %d tokens, to %d '
                  'tokens, in %s -> %s.', source, prompts.shape[0], prompts.shape[1], seq_len,
@@ -176,7 +175,7 @@ def with_trunk_cache(config: ml_collections.ConfigDict, workdir: pathlib.Path, t
                                         store_hidden=store_hidden,
                                         store_layer_inputs=bool(layers))
   else:
-    graphdef, params = in_precision(trainer, base_params(), dtype)
+    graphdef, params = _teacher(trainer, base_params(), dtype)
     forward = functools.partial(trunk_cache.trunk_forward(graphdef, layers), params)
     logging.info('One pass of the trunk of %s over %d rows in %s -> %s.', source,
                  arrays['tokens'].shape[0], dtype, directory)
