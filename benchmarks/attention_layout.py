@@ -2,12 +2,14 @@ r"""Cached attention in two KV-cache layouts, side by side: which one XLA runs f
 
   python -m benchmarks.attention_layout [--batch_sizes=1,8] [--token_counts=1,5,13]
 
-The cache is [B, S, G, H] (slots before KV heads), which `jax.nn.dot_product_attention` reads
-directly. Keeping it [B, G, S, H] lets a grouped einsum contract each head's contiguous slots
-without a transpose. Which is faster depends on the shape: on this 2-core CPU, at SmolLM2's
-attention shape (9 query / 3 KV heads of 64, 656 slots), [B, G, S, H] won at batch 8 for 13
-new tokens (2.5 vs 3.6 ms) and lost for one (1.36 vs 0.98 ms), and the whole verification pass
-then decoded one token at a time 25-30% slower, so the cache stays [B, S, G, H].
+[B, S, G, H] (slots before KV heads) is what `jax.nn.dot_product_attention` reads directly;
+[B, G, S, H] lets a grouped einsum contract each head's contiguous slots without a transpose.
+Which is faster depends on the shape: on a 2-core CPU, at SmolLM2's attention shape (9 query /
+3 KV heads of 64, 656 slots), [B, G, S, H] won at batch 8 for 13 new tokens (2.5 vs 3.6 ms) and
+lost for one (1.36 vs 0.98 ms). That was when decoding attended through dot_product_attention,
+and the cache stayed [B, S, G, H]. Decoding now attends chunk by chunk (`kv_cache.attend`),
+where that layout transposed every chunk it read, and the cache is [B, G, S, H] (2026-12-05:
+SmolLM2's whole verification step 3-14% faster in bfloat16 and float32; see the README).
 
 Prints microseconds per attention call for dot_product_attention on [B, S, G, H] and a grouped
 einsum on each layout; outputs are checked equal.

@@ -150,19 +150,19 @@ def test_bfloat16_tree_attention_equals_each_paths_own_attention_bit_for_bit(com
       mask[node] |= mask[parent]
   rng = np.random.default_rng(4)
   heads, groups, dim, slots = 6, 2, 16, 256
-  keys = rng.normal(size=(1, slots, groups, dim))
+  keys = rng.normal(size=(1, slots, groups, dim))  # By slot here; [B, G, S, d] in the cache.
   values = rng.normal(size=(1, slots, groups, dim))
+  cached = lambda x: jnp.asarray(np.swapaxes(x, 1, 2), jnp.bfloat16)  # noqa: E731
   q = jnp.asarray(rng.normal(size=(1, n, heads, dim)), jnp.bfloat16)
   attend = jax.jit(kv_cache.attend)
   lengths = jnp.asarray([committed], jnp.int32)
-  block = np.asarray(attend(q, jnp.asarray(keys, jnp.bfloat16), jnp.asarray(values, jnp.bfloat16),
-                            lengths, jnp.asarray(mask)), np.float32)
+  block = np.asarray(attend(q, cached(keys), cached(values), lengths, jnp.asarray(mask)),
+                     np.float32)
   for node in range(n):
     path = np.flatnonzero(mask[node])  # Its ancestors, then itself.
     k, v = keys.copy(), values.copy()
     k[:, committed:committed + len(path)] = keys[:, committed + path]
     v[:, committed:committed + len(path)] = values[:, committed + path]
-    alone = attend(q[:, node:node + 1], jnp.asarray(k, jnp.bfloat16),
-                   jnp.asarray(v, jnp.bfloat16), lengths + len(path) - 1,
+    alone = attend(q[:, node:node + 1], cached(k), cached(v), lengths + len(path) - 1,
                    jnp.ones((1, 1), bool))
     np.testing.assert_array_equal(np.asarray(alone, np.float32)[0, 0], block[0, node])

@@ -72,8 +72,8 @@ PREDICTED_STEPS = 8
 # Most one-token steps run unjudged while a stopped kind's evidence could restart it.
 EVIDENCE_QUIET = 8
 _TABLE = 'break_even.json'
-# Bumped when the decode loop's steps change cost or the way they are timed, so that older
-# measurements are not reused.
+# Bumped when the way break-evens are timed changes (a change in what steps cost bumps
+# `cost_model.STEPS_VERSION`), so that older measurements are not reused.
 _LOOP_VERSION = 11
 
 
@@ -344,7 +344,7 @@ ROW_STEPS = 64
 def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: bool) -> str:
   plan = engine.plan
   block, _ = plan.block(kind)
-  return (f'v{_LOOP_VERSION}|{"sampled|" if sampled else ""}{cost_model.device_kind()}'
+  return (f'v{_LOOP_VERSION}.{cost_model.STEPS_VERSION}|{"sampled|" if sampled else ""}{cost_model.device_kind()}'
           f'|{cost_model.model_key(engine.cfg)}'
           f'|B{batch_size}|P{prompt_width}|kind{kind}-{measurements.digest(repr(block))}'
           f'|{"rows" if plan.row_mapped else "batch"}|mesh'

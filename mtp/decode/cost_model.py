@@ -46,6 +46,12 @@ _TABLE = 'step_cost.json'
 _CPU_FEATURES = ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')
 
 
+# Bumped when decoding's steps change what they cost, so that curves and break-evens measured
+# before (`step_cost`, `auto.break_even`) are measured again: 2, the KV cache laid out
+# [B, G, S, d] (2026-12-05).
+STEPS_VERSION = 2
+
+
 @functools.cache
 def cpu_name() -> str:
   """The host CPU's model, vector extensions and usable cores, e.g. 'AMD EPYC avx2 2 cores'.
@@ -248,8 +254,8 @@ def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
     **measure_kwargs: passed to `measure_step_cost`.
   """
   token_counts = tuple(sorted(set(int(t) for t in token_counts) | {1}))
-  key = (f'{device_kind()}|{model_key(model)}|B{batch_size}|T{",".join(map(str, token_counts))}'
-         '|tree')  # Timed on trees since 2026-12-03 (`_binary_tree`): older chain entries differ.
+  key = (f'v{STEPS_VERSION}|{device_kind()}|{model_key(model)}|B{batch_size}'
+         f'|T{",".join(map(str, token_counts))}|tree')  # Timed on trees (`_binary_tree`).
   if drafting:
     cfg = getattr(model, 'cfg', model)
     key += f'|drafting-{measurements.digest(repr(cfg))}-N{draft_vocab_size}'

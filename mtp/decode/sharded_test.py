@@ -59,8 +59,8 @@ def test_sharded_loop_gives_the_one_device_tokens(mesh, head_type, tree, budget,
   engine = decode_testing.engine(model, max_new_tokens=MAX_NEW, tree=tree, mesh=mesh)
   loop_state = engine.prefill(prompts, PROMPT_LENGTHS, decode_testing.settings(
       engine, 4, max_new_tokens=MAX_NEW))
-  keys = loop_state.cache.keys[0]  # [B, S, G, H]
+  keys = loop_state.cache.keys[0]  # [B, G, S, H]
   assert keys.sharding.spec[0] == mesh_lib.BATCH_AXES
-  assert keys.sharding.spec[2] == 'tensor'
-  assert keys.addressable_shards[0].data.shape == (1, keys.shape[1], 1, keys.shape[3])
+  assert keys.sharding.spec[1] == 'tensor'
+  assert keys.addressable_shards[0].data.shape == (1, 1) + keys.shape[2:]
   assert not loop_state.lengths.sharding.is_fully_replicated

@@ -192,7 +192,7 @@ def shard_cache(cache: kv_cache_lib.KVCache,
   if mesh is None:
     return cache
 
-  def constrain(buffer):  # [B, S, G, H]
-    spec = mesh_lib.logical_to_mesh_spec(('batch', None, 'kv_heads', None), buffer.shape, mesh)
+  def constrain(buffer):  # [B, G, S, H]
+    spec = mesh_lib.logical_to_mesh_spec(('batch', 'kv_heads', None, None), buffer.shape, mesh)
     return jax.lax.with_sharding_constraint(buffer, jax.sharding.NamedSharding(mesh, spec))
   return jax.tree.map(constrain, cache)

@@ -1,5 +1,11 @@
 """Key/value cache: a pytree of per-layer buffers written at per-row offsets.
 
+Each buffer is [B, G, S, d]: row, KV head, slot, feature. A run of slots is then one contiguous
+[C, d] block per head, the operand attention's products read (`attend`), as in the layouts
+of Hugging Face's and vLLM's caches. A [B, S, G, d] layout made every chunk of keys and values
+be transposed before its products (XLA:CPU, SmolLM2 in bfloat16 at batch 4: 18 of a one-token
+step's 53 ms; see the README's decoding figures).
+
 Every row of the batch has its own committed length. A cached forward writes its T new tokens
 into slots [length, length + T) of each row and attends to the committed slots plus the new
 block (through a block mask, so tree candidates see only their ancestors). Slots at or past the
@@ -21,7 +27,7 @@ capacity, not the context (SmolLM2 in bfloat16 at batch 4 with 1,280 slots: 67.5
 step, 61.3 ms stored as bits). Reads and writes convert exactly (`stored`, `loaded`).
 
 A row-mapped call (`decode/row_mapped.py`: one row at a time, as a batch of one) sees each
-buffer as a `RowView`: the whole batch's buffer and the row it may touch. `write_rows` and
+buffer as a `RowView`: the whole batch's buffer and the row it may touch. `write_slots` and
 `attend` read and write that row in place; slicing the row out and stacking it back instead
 copied the whole cache twice per call (a batch of 8 rows of the demo model with 2048 slots:
 49 ms a one-token step, against 2.2 ms for the same step batched).
@@ -41,9 +47,9 @@ class KVCache:
   """Keys and values of every attention layer.
 
   Attributes:
-    keys: one [B, S, G, H] buffer per layer (rotary positions already applied), of
+    keys: one [B, G, S, H] buffer per layer (rotary positions already applied), of
       `storage_dtype` (half-precision values on CPU: their bits).
-    values: one [B, S, G, H] buffer per layer, as keys.
+    values: one [B, G, S, H] buffer per layer, as keys.
   """
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
@@ -54,7 +60,7 @@ class KVCache:
 
   @property
   def capacity(self) -> int:
-    return self.keys[0].shape[1] if self.keys else 0
+    return self.keys[0].shape[2] if self.keys else 0
 
   @property
   def batch_size(self) -> int:
@@ -63,7 +69,7 @@ class KVCache:
 
 @flax.struct.dataclass
 class RowView:
-  """Row `row` of a cache buffer [B, S, ...], as a [1, S, ...] buffer that is not copied out.
+  """Row `row` of a cache buffer [B, G, S, d], as a [1, G, S, d] buffer that is not copied out.
 
   Attributes:
     buffer: the whole batch's buffer.
@@ -81,15 +87,14 @@ class RowView:
     return self.buffer.dtype
 
   def read(self, start, size: int) -> jax.Array:
-    """Slots [start, start + size) of the row: [1, size, ...]."""
-    rest = self.buffer.shape[2:]
-    return jax.lax.dynamic_slice(self.buffer, (self.row, start) + (0,) * len(rest),
-                                 (1, size) + tuple(rest))
+    """Slots [start, start + size) of the row: [1, G, size, d]."""
+    _, g, _, d = self.buffer.shape
+    return jax.lax.dynamic_slice(self.buffer, (self.row, 0, start, 0), (1, g, size, d))
 
   def astype(self, dtype) -> jax.Array:
     """The row's whole buffer (a copy) as `dtype` values: for attention over an explicit
     mask."""
-    return loaded(self.read(0, self.buffer.shape[1]), dtype)
+    return loaded(self.read(0, self.buffer.shape[2]), dtype)
 
 
 def row_views(cache: KVCache, row) -> KVCache:
@@ -140,7 +145,7 @@ def loaded(x, dtype) -> jax.Array:
 def _read(buffer, start, size: int) -> jax.Array:
   if isinstance(buffer, RowView):
     return buffer.read(start, size)
-  return jax.lax.dynamic_slice_in_dim(buffer, start, size, axis=1)
+  return jax.lax.dynamic_slice_in_dim(buffer, start, size, axis=2)
 
 
 # Slots `attend` reads at a time. 128 ran as fast as attention over the whole cache at full
@@ -155,26 +160,38 @@ def round_capacity(capacity: int) -> int:
 
 def init_cache(num_layers: int, batch_size: int, capacity: int, num_kv_heads: int,
                head_dim: int, dtype=jnp.float32) -> KVCache:
-  """Zero buffers for `num_layers` layers, each [batch_size, S, num_kv_heads, head_dim], with
+  """Zero buffers for `num_layers` layers, each [batch_size, num_kv_heads, S, head_dim], with
   S = `round_capacity(capacity)` >= capacity slots, of `dtype` values (stored as
   `storage_dtype(dtype)`)."""
-  shape = (batch_size, round_capacity(capacity), num_kv_heads, head_dim)
+  shape = (batch_size, num_kv_heads, round_capacity(capacity), head_dim)
   storage = storage_dtype(dtype)
   zeros = tuple(jnp.zeros(shape, storage) for _ in range(num_layers))
   return KVCache(keys=zeros, values=tuple(jnp.zeros(shape, storage) for _ in range(num_layers)))
 
 
 def write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
-  """Writes block [B, T, ...] into buffer [B, S, ...] at slot offsets[b] of each row b (a
-  `RowView`: block [1, T, ...] into its row, in place)."""
-  if isinstance(buffer, RowView):
-    start = (buffer.row, offsets[0]) + (0,) * (buffer.buffer.ndim - 2)
-    return buffer.replace(buffer=jax.lax.dynamic_update_slice(
-        buffer.buffer, stored(block, buffer.dtype), start))
-
+  """Writes block [B, T, ...] into buffer [B, S, ...] at slot offsets[b] of each row b (tokens,
+  features; a cache layer's keys and values go through `write_slots`)."""
   def write_one(row, new, offset):
     start = (offset,) + (0,) * (row.ndim - 1)
     return jax.lax.dynamic_update_slice(row, stored(new, row.dtype), start)
+  return jax.vmap(write_one)(buffer, block, offsets)
+
+
+def write_slots(buffer, block: jax.Array, offsets: jax.Array):
+  """Writes a layer's new keys or values, block [B, T, G, d], into its buffer [B, G, S, d] at
+  slots offsets[b] of each row b (a `RowView`: block [1, T, G, d] into its row, in place)."""
+  return _write_slots(buffer, jnp.swapaxes(block, 1, 2), offsets)
+
+
+def _write_slots(buffer, block: jax.Array, offsets: jax.Array):
+  """`write_slots` of a block already laid out as the buffer, [B, G, T, d]."""
+  if isinstance(buffer, RowView):
+    return buffer.replace(buffer=jax.lax.dynamic_update_slice(
+        buffer.buffer, stored(block, buffer.dtype), (buffer.row, 0, offsets[0], 0)))
+
+  def write_one(row, new, offset):
+    return jax.lax.dynamic_update_slice(row, stored(new, row.dtype), (0, offset, 0))
   return jax.vmap(write_one)(buffer, block, offsets)
 
 
@@ -197,9 +214,10 @@ def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
   Returns:
     The cache with slot lengths[b] + d holding what slot lengths[b] + path[b, d] held.
   """
-  def move(buffer):
-    nodes = jax.vmap(lambda row, offset, row_path: row[offset + row_path])(buffer, lengths, path)
-    return write_rows(buffer, nodes, lengths)
+  def move(buffer):  # [B, G, S, d]
+    nodes = jax.vmap(lambda row, offset, row_path: row[:, offset + row_path])(
+        buffer, lengths, path)
+    return _write_slots(buffer, nodes, lengths)
   return KVCache(keys=tuple(move(k) for k in cache.keys),
                  values=tuple(move(v) for v in cache.values))
 
@@ -214,14 +232,16 @@ def compact_layers(cache: KVCache, lengths: jax.Array, path: jax.Array,
                  values=moved.values + cache.values[num_layers:])
 
 
-def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
-           block_mask: jax.Array, own: tuple[jax.Array, jax.Array, jax.Array] | None = None
-           ) -> jax.Array:
+def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array,
+           own: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
   """Attention of T queries over a layer's cache, chunk by chunk (see the module docstring).
+
+  Scores and the softmax's running state are laid out [B, G, T, R, ...] (R = H / G queries per
+  KV head), the order the products give them: nothing is transposed per chunk.
 
   Args:
     q: [B, T, H, d] queries (rotary positions applied): usually the new tokens' own.
-    keys, values: [B, S, G, d] the layer's cache with a block of N new tokens' entries already
+    keys, values: [B, G, S, d] the layer's cache with a block of N new tokens' entries already
       written at slots [lengths, lengths + N); S a multiple of `CHUNK`; G divides H (or
       `RowView`s).
     lengths: [B] committed slots per row: all of them are visible.
@@ -235,7 +255,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
     [B, T, H, d] in q's dtype (computed in float32).
   """
   b, t, h, d = q.shape
-  s, g = keys.shape[1], keys.shape[2]
+  g, s = keys.shape[1], keys.shape[2]
   n = block_mask.shape[-1]
   if s % CHUNK:
     raise ValueError(f'the cache holds {s} slots, not a multiple of {CHUNK} (init_cache)')
@@ -258,37 +278,37 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array,
           block_mask, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
           axis=2) & ((relative >= 0) & (relative < n))[:, None, :]
       visible = (relative < 0)[:, None, :] | in_block  # [B, T, C]
-      return _online_softmax_step(carry, jnp.einsum('btgrd,bcgd->bgrtc', queries, k), visible,
-                                  lambda p: jnp.einsum('bgrtc,bcgd->bgrtd', p, v), False)
+      return _online_softmax_step(carry, jnp.einsum('btgrd,bgcd->bgtrc', queries, k), visible,
+                                  lambda p: jnp.einsum('bgtrc,bgcd->bgtrd', p, v), False)
 
   num_chunks = (jnp.max(lengths) + n + CHUNK - 1) // CHUNK
-  shape = (b, g, h // g, t)
+  shape = (b, g, t, h // g)
   carry = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,)))
   if own is not None:  # The softmax starts from the queries' own keys.
     own_k, own_v, own_visible = own
-    own_k = own_k.astype(jnp.float32)
-    scores = (products.ordered_sum(jnp.transpose(queries, (0, 2, 3, 1, 4))[:, :, :, :, None]
-                                   * jnp.transpose(own_k, (0, 3, 1, 2, 4))[:, :, None], -1)
-              if fixed_order else jnp.einsum('btgrd,btegd->bgrte', queries, own_k))
-    visible = jnp.broadcast_to(own_visible, (b, t, own_k.shape[2]))[:, None, None]
+    own_k = jnp.transpose(own_k.astype(jnp.float32), (0, 3, 1, 2, 4))  # [B, G, T, E, d]
+    own_v = jnp.transpose(own_v.astype(jnp.float32), (0, 3, 1, 2, 4))
+    by_head = jnp.transpose(queries, (0, 2, 1, 3, 4))  # [B, G, T, R, d]
+    scores = (products.ordered_sum(by_head[..., None, :] * own_k[:, :, :, None], -1)
+              if fixed_order else jnp.einsum('bgtrd,bgted->bgtre', by_head, own_k))
+    visible = jnp.broadcast_to(own_visible, (b, t, own_k.shape[3]))[:, None, :, None]
     scores = jnp.where(visible, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
-    own_v = own_v.astype(jnp.float32)
-    weighted = (products.ordered_sum(p[..., None] * jnp.transpose(own_v, (0, 3, 1, 2, 4))[
-        :, :, None], -2) if fixed_order else jnp.einsum('bgrte,btegd->bgrtd', p, own_v))
+    weighted = (products.ordered_sum(p[..., None] * own_v[:, :, :, None], -2)
+                if fixed_order else jnp.einsum('bgtre,bgted->bgtrd', p, own_v))
     carry = (top, _sum(p, fixed_order), weighted)
   _, total, acc = jax.lax.fori_loop(0, jnp.minimum(num_chunks, s // CHUNK), chunk, carry)
-  out = acc / total[..., None]
-  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q.dtype)
+  out = acc / total[..., None]  # [B, G, T, R, d]
+  return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, h, d).astype(q.dtype)
 
 
 def _online_softmax_step(carry, scores: jax.Array, visible: jax.Array, weighted,
                          fixed_order: bool):
-  """One chunk of the online softmax: carry (top, total, acc) [B, G, R, T], [B, G, R, T],
-  [B, G, R, T, d]; scores [B, G, R, T, C]; visible [B, T, C]; weighted(p) = p . values."""
+  """One chunk of the online softmax: carry (top, total, acc) [B, G, T, R], [B, G, T, R],
+  [B, G, T, R, d]; scores [B, G, T, R, C]; visible [B, T, C]; weighted(p) = p . values."""
   top, total, acc = carry
-  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  scores = jnp.where(visible[:, None, :, None], scores, -jnp.inf)
   new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
   shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
   # A chunk that no query sees leaves the carry exactly as it was (scale 1, p 0).
@@ -319,7 +339,7 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
 
   def block_reads():
     """Each query's visible block tokens in index order (its ancestors, then itself) [B, T, N],
-    the block's scores [B, G, R, T, N] and values [B, N, G, d]."""
+    the block's scores [B, G, T, R, N] and values [B, G, N, d]."""
     order = jnp.argsort(~block_mask, axis=-1, stable=True).astype(jnp.int32)
     return (order, _shared_scores(q, _read_blocks(keys, lengths, n)),
             _read_blocks(values, lengths, n))
@@ -330,11 +350,12 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
     order, block_scores, block_values = jax.lax.cond(
         in_order, lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                                        jax.eval_shape(block_reads)), block_reads)
-  gather = jax.vmap(lambda block, index: block[index])  # [N, G, d], [T, C] -> [T, C, G, d]
+  # [G, N, d], [T, C] -> [G, T, C, d]: each query's values in its logical order.
+  gather = jax.vmap(lambda block, index: block[:, index])
 
   def chunk(i, carry):
     start = i * CHUNK
-    k, v = _read(keys, start, CHUNK), _read(values, start, CHUNK)  # [B, C, G, d]
+    k, v = _read(keys, start, CHUNK), _read(values, start, CHUNK)  # [B, G, C, d]
     relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
     visible = relative[:, None, :] < count[:, :, None]  # [B, T, C]
 
@@ -346,12 +367,12 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
       index = jnp.take_along_axis(
           order, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
           axis=2)  # [B, T, C]
-      committed = (relative < 0)[:, None, :]  # [B, 1, C]
+      committed = relative < 0  # [B, C]
       # A score is one query's dot product with one key: the same bits wherever it is computed.
-      scores = jnp.where(committed[:, None, None], _shared_scores(q, k), jnp.take_along_axis(
-          block_scores, index[:, None, None], axis=-1))
-      query_values = jnp.where(committed[..., None, None], v[:, None],
-                               gather(block_values, index))
+      scores = jnp.where(committed[:, None, None, None], _shared_scores(q, k),
+                         jnp.take_along_axis(block_scores, index[:, None, :, None], axis=-1))
+      query_values = jnp.where(committed[:, None, None, :, None], v[:, :, None],
+                               gather(block_values, index))  # [B, G, T, C, d]
       return _online_softmax_step(carry, scores, visible,
                                   lambda p: _query_weighted(p, query_values, q.dtype), True)
 
@@ -363,46 +384,41 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
 
 
 def _read_blocks(buffer, lengths: jax.Array, n: int) -> jax.Array:
-  """Each row's block slots [lengths, lengths + n): [B, n, ...]."""
+  """Each row's block slots [lengths, lengths + n): [B, G, n, d]."""
   if isinstance(buffer, RowView):
     return buffer.read(lengths[0], n)
-  return jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, n, 0))(
+  return jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, n, 1))(
       buffer, lengths)
 
 
-def _rows(q: jax.Array, g: int) -> jax.Array:
-  b, t, h, d = q.shape
-  return q.reshape(b, t, g, h // g, d)
-
-
 def _shared_scores(q: jax.Array, keys: jax.Array) -> jax.Array:
-  """q [B, T, H, d] . keys [B, C, G, d] -> scaled scores [B, G, R, T, C] (float32), in one
+  """q [B, T, H, d] . keys [B, G, C, d] -> scaled scores [B, G, T, R, C] (float32), in one
   row-invariant half-precision product per group."""
   b, t, h, d = q.shape
-  g = keys.shape[2]
-  rows = jnp.transpose(_rows(q, g), (0, 2, 1, 3, 4)).reshape(b, g, t * (h // g), d)
-  scores = jnp.einsum('bgmd,bcgd->bgmc', products.padded_rows(rows, 2), loaded(keys, q.dtype),
+  g = keys.shape[1]
+  rows = jnp.transpose(q.reshape(b, t, g, h // g, d), (0, 2, 1, 3, 4)).reshape(
+      b, g, t * (h // g), d)
+  scores = jnp.einsum('bgmd,bgcd->bgmc', products.padded_rows(rows, 2), loaded(keys, q.dtype),
                       preferred_element_type=jnp.float32)[:, :, :t * (h // g)]
-  return jnp.transpose(scores.reshape(b, g, t, h // g, -1), (0, 1, 3, 2, 4)) * d ** -0.5
+  return scores.reshape(b, g, t, h // g, -1) * d ** -0.5
 
 
 def _shared_weighted(p: jax.Array, values: jax.Array, dtype) -> jax.Array:
-  """p [B, G, R, T, C] (rounded to `dtype`) . values [B, C, G, d] -> [B, G, R, T, d]."""
-  b, g, r, t, c = p.shape
-  rows = jnp.transpose(p, (0, 1, 3, 2, 4)).reshape(b, g, t * r, c).astype(dtype)
-  out = jnp.einsum('bgmc,bcgd->bgmd', products.padded_rows(rows, 2), loaded(values, dtype),
+  """p [B, G, T, R, C] (rounded to `dtype`) . values [B, G, C, d] -> [B, G, T, R, d]."""
+  b, g, t, r, c = p.shape
+  rows = p.reshape(b, g, t * r, c).astype(dtype)
+  out = jnp.einsum('bgmc,bgcd->bgmd', products.padded_rows(rows, 2), loaded(values, dtype),
                    preferred_element_type=jnp.float32)[:, :, :t * r]
-  return jnp.transpose(out.reshape(b, g, t, r, -1), (0, 1, 3, 2, 4))
+  return out.reshape(b, g, t, r, -1)
 
 
 def _query_weighted(p: jax.Array, values: jax.Array, dtype) -> jax.Array:
-  """p [B, G, R, T, C] . each query's own values [B, T, C, G, d] -> [B, G, R, T, d]: the same
+  """p [B, G, T, R, C] . each query's own values [B, G, T, C, d] -> [B, G, T, R, d]: the same
   bits as `_shared_weighted` where the values are the same."""
-  r = p.shape[2]
-  rows = jnp.transpose(p, (0, 3, 1, 2, 4)).astype(dtype)  # [B, T, G, R, C]
-  out = jnp.einsum('btgrc,btcgd->btgrd', products.padded_rows(rows, 3), loaded(values, dtype),
-                   preferred_element_type=jnp.float32)[:, :, :, :r]
-  return jnp.transpose(out, (0, 2, 3, 1, 4))
+  r = p.shape[3]
+  out = jnp.einsum('bgtrc,bgtcd->bgtrd', products.padded_rows(p.astype(dtype), 3),
+                   loaded(values, dtype), preferred_element_type=jnp.float32)
+  return out[:, :, :, :r]
 
 
 def _sum(p: jax.Array, fixed_order: bool) -> jax.Array:

@@ -137,7 +137,7 @@ def attend_with_own(q: Array, keys: Array, values: Array, mask: Array, own_keys:
 
   Args:
     q: [B, T, H, d] queries (rotated).
-    keys, values: [B, S, G, d]; G divides H.
+    keys, values: [B, G, S, d] (a cache's layout); G divides H.
     mask: [B, 1, T, S] which of them each query sees.
     own_keys, own_values: [B, T, E, G, d].
 
@@ -145,18 +145,17 @@ def attend_with_own(q: Array, keys: Array, values: Array, mask: Array, own_keys:
     [B, T, H, d] in q's dtype.
   """
   b, t, h, d = q.shape
-  g = keys.shape[2]
+  g, s = keys.shape[1], keys.shape[2]
   queries = q.reshape(b, t, g, h // g, d)
   precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
   einsum = lambda spec, x, y: jnp.einsum(spec, x, y, precision=precision,
                                          preferred_element_type=jnp.float32)
-  scores = einsum('btgrd,bsgd->bgrts', queries, keys) * d ** -0.5
+  scores = einsum('btgrd,bgsd->bgrts', queries, keys) * d ** -0.5
   scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
   own_scores = einsum('btgrd,btegd->bgrte', queries, own_keys) * d ** -0.5
   probs = jax.nn.softmax(jnp.concatenate([scores, own_scores], axis=-1), axis=-1)
   probs = probs.astype(values.dtype)
-  s = keys.shape[1]
-  out = (jnp.einsum('bgrts,bsgd->btgrd', probs[..., :s], values)
+  out = (jnp.einsum('bgrts,bgsd->btgrd', probs[..., :s], values)
          + jnp.einsum('bgrte,btegd->btgrd', probs[..., s:], own_values))
   return out.reshape(b, t, h, d).astype(q.dtype)
 
@@ -196,7 +195,7 @@ class Attention(nnx.Module):
                ) -> tuple[Array, tuple[Array, Array] | None]:
     """Attends x [B, T, D] at `positions` [B, T].
 
-    Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, S, G, H],
+    Without a cache, `mask` is [B, 1, T, T]. With `cache` = (keys, values), each [B, G, S, H],
     the new keys and values are written at slots `lengths` [B] onward, and `mask` is either
     the block mask, [T, T] or [B, T, T] (the cached path: every committed slot is visible, and
     inside the new block what the mask allows; `kv_cache.attend`, whose result does not depend
@@ -207,7 +206,7 @@ class Attention(nnx.Module):
     query t sees the committed slots (< lengths), then A keys of its own and its own new key
     (tree drafting: a node's ancestors, kept outside the cache). `mask` is unused, and the
     second result is the new tokens' (keys, values) [B, T, G, H], not the cache. Without
-    `lengths`, the cache is a block's keys and values [B, S, G, H] seen as the [B, 1, T, S]
+    `lengths`, the cache is a block's keys and values [B, G, S, H] seen as the [B, 1, T, S]
     `mask` allows, besides the A + 1 keys of each query's own (EAGLE's training-time test:
     `attend_with_own`).
     """
@@ -229,13 +228,13 @@ class Attention(nnx.Module):
                                   own=own + (jnp.ones((t, own[0].shape[2]), bool),))
       return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), (k, v)
     if cache is not None:
-      keys = kv_cache_lib.write_rows(cache[0], k, lengths)
-      values = kv_cache_lib.write_rows(cache[1], v, lengths)
+      keys = kv_cache_lib.write_slots(cache[0], k, lengths)
+      values = kv_cache_lib.write_slots(cache[1], v, lengths)
       cache = (keys, values)
       if mask.ndim < 4:
         out = kv_cache_lib.attend(q, keys, values, lengths, mask)
         return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
-      k, v = kv_cache_lib.loaded(keys, q.dtype), kv_cache_lib.loaded(values, q.dtype)
+      k, v = (jnp.swapaxes(kv_cache_lib.loaded(c, q.dtype), 1, 2) for c in cache)
     out = jax.nn.dot_product_attention(q, k, v, mask=mask)
     return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
 

@@ -197,11 +197,11 @@ def test_cached_steps_do_not_depend_on_the_cache_capacity():
 def test_chunked_attention_equals_attention_over_the_whole_cache():
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
-  keys = jnp.asarray(rng.normal(size=(2, 256, 2, 8)), jnp.float32)
+  keys = jnp.asarray(rng.normal(size=(2, 256, 2, 8)), jnp.float32)  # [B, S, G, d]
   values = jnp.asarray(rng.normal(size=(2, 256, 2, 8)), jnp.float32)
   lengths = jnp.asarray([130, 7], jnp.int32)
   block = jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # A tree: 2's parent is 0.
-  got = kv_cache.attend(q, keys, values, lengths, block)
+  got = kv_cache.attend(q, jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2), lengths, block)
   slots = jnp.arange(256)[None, None, :]
   relative = slots - lengths[:, None, None]
   visible = (relative < 0) | ((relative >= 0) & (relative < 3) & jnp.take_along_axis(
@@ -214,12 +214,12 @@ def test_chunked_attention_equals_attention_over_the_whole_cache():
 def test_a_half_precision_cache_on_cpu_is_stored_as_bits_and_read_back_exactly(dtype):
   cache = kv_cache.init_cache(2, 1, 200, 2, 8, dtype)
   assert all(b.dtype == jnp.uint16 for b in cache.keys + cache.values)
-  block = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 2, 8)), dtype)
-  written = kv_cache.write_rows(cache.keys[0], block, jnp.asarray([5]))
-  np.testing.assert_array_equal(np.asarray(kv_cache.loaded(written[:, 5:8], dtype)),
-                                np.asarray(block))
+  block = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 2, 8)), dtype)  # [B, T, G, d]
+  written = kv_cache.write_slots(cache.keys[0], block, jnp.asarray([5]))  # [B, G, S, d]
+  np.testing.assert_array_equal(np.asarray(kv_cache.loaded(written[:, :, 5:8], dtype)),
+                                np.asarray(jnp.swapaxes(block, 1, 2)))
   with pytest.raises(TypeError, match='half-precision'):
-    kv_cache.write_rows(cache.keys[0], block.astype(jnp.float32), jnp.asarray([5]))
+    kv_cache.write_slots(cache.keys[0], block.astype(jnp.float32), jnp.asarray([5]))
   with pytest.raises(TypeError, match='half-precision'):
     kv_cache.loaded(written, jnp.float32)
   assert kv_cache.init_cache(1, 1, 8, 2, 8, jnp.float32).keys[0].dtype == jnp.float32
@@ -233,7 +233,7 @@ def test_attention_over_a_whole_mask_reads_a_cache_stored_as_bits():
   x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, cfg.embed_dim)), jnp.bfloat16)
   positions, lengths = jnp.asarray([[4, 5, 6]]), jnp.asarray([4])
   mask = (jnp.arange(kv_cache.CHUNK)[None, :] <= positions[0][:, None])[None, None]
-  shape = (1, kv_cache.CHUNK, cfg.num_kv_heads, cfg.head_dim)
+  shape = (1, cfg.num_kv_heads, kv_cache.CHUNK, cfg.head_dim)
   plain = (jnp.zeros(shape, jnp.bfloat16),) * 2
   bits = kv_cache.init_cache(1, 1, kv_cache.CHUNK, cfg.num_kv_heads, cfg.head_dim,
                              jnp.bfloat16)
@@ -346,7 +346,8 @@ def test_attention_with_own_keys_is_dense_attention_over_them_as_more_slots(dtyp
                   for i in range(2))
   segments = jnp.asarray([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 0]])
   mask = transformer.training_mask(segments)
-  out = transformer.attend_with_own(q, k, v, mask, own_k, own_v)
+  out = transformer.attend_with_own(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, own_k,
+                                    own_v)
   slots = lambda x, own: jnp.concatenate([x] + [own[:, :, i] for i in range(e)], axis=1)
   diagonal = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, 1, t, t))
   dense = jax.nn.dot_product_attention(

@@ -389,9 +389,9 @@ class EagleDrafter(heads.HeadFamily):
     b, t = tokens.shape
     cfg = trunk.cfg
     dtype = transformer.dtype_of(cfg.dtype)
-    shape = (b, t, cfg.num_kv_heads, cfg.head_dim)
+    shape = (b, cfg.num_kv_heads, t, cfg.head_dim)  # A cache layer's layout (`kv_cache`).
     first_keys = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    chain = (jnp.zeros((b, t, 0) + shape[2:], dtype),) * 2
+    chain = (jnp.zeros((b, t, 0, cfg.num_kv_heads, cfg.head_dim), dtype),) * 2
     outputs = []
     for depth in range(1, k + 1):
       x = self._input(next_embeds[depth - 1], features)
@@ -486,7 +486,8 @@ class EagleDrafter(heads.HeadFamily):
       x = self._input(trunk.embed(jnp.take_along_axis(drafts.tokens, nodes, axis=1)),
                       hidden[rows, parent])
       if entries is None:
-        kv_shape = (b, width, 0) + layer_cache[0].shape[2:]
+        _, g, _, head_dim = layer_cache[0].shape
+        kv_shape = (b, width, 0, g, head_dim)
         ancestors = (jnp.zeros(kv_shape, layer_cache[0].dtype),) * 2
       else:  # [B, W, d - 1, G, H]: the entries of each node's ancestors below the root.
         path = jnp.asarray(tree.node_paths)[nodes][:, :, 1:d]
