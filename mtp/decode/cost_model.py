@@ -215,19 +215,22 @@ def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   graphdef, params = nnx.split(model)
   vocab_ids = (jnp.arange(draft_vocab_size, dtype=jnp.int32)
                if drafting and draft_vocab_size else None)
-  costs = {}
+  runs = {}
   for t in sorted(set(int(t) for t in token_counts)):
-    run = functools.partial(_timed_loop, graphdef, params, vocab_ids, num_tokens=t,
-                            batch_size=batch_size, context=context, iterations=iterations,
-                            drafting=drafting)
-    jax.block_until_ready(run())  # Compile and warm up.
-    best = float('inf')
-    for _ in range(repeats):
+    runs[t] = functools.partial(_timed_loop, graphdef, params, vocab_ids, num_tokens=t,
+                                batch_size=batch_size, context=context, iterations=iterations,
+                                drafting=drafting)
+    jax.block_until_ready(runs[t]())  # Compile and warm up.
+  # Round by round, every T once a round: a slower stretch of the machine then slows every T
+  # alike instead of the few timed in it. (Timed T after T, two measurements of one model's
+  # curve read 1.74 and 1.97 at T = 16, and `choose_tree` picked different trees from them.)
+  best = dict.fromkeys(runs, float('inf'))
+  for _ in range(repeats):
+    for t, run in runs.items():
       start = time.perf_counter()
       jax.block_until_ready(run())
-      best = min(best, time.perf_counter() - start)
-    costs[t] = best / iterations
-  return costs
+      best[t] = min(best[t], time.perf_counter() - start)
+  return {t: seconds / iterations for t, seconds in best.items()}
 
 
 def relative(costs: Mapping[int, float]) -> dict[int, float]:
