@@ -344,7 +344,8 @@ ROW_STEPS = 64
 def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: bool) -> str:
   plan = engine.plan
   block, _ = plan.block(kind)
-  return (f'v{_LOOP_VERSION}.{cost_model.STEPS_VERSION}|{"sampled|" if sampled else ""}{cost_model.device_kind()}'
+  return (f'v{_LOOP_VERSION}.{cost_model.STEPS_VERSION}|{"sampled|" if sampled else ""}'
+          f'{cost_model.device_kind()}'
           f'|{cost_model.model_key(engine.cfg)}'
           f'|B{batch_size}|P{prompt_width}|kind{kind}-{measurements.digest(repr(block))}'
           f'|{"rows" if plan.row_mapped else "batch"}|mesh'
