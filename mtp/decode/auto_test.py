@@ -3,6 +3,7 @@ break-even, measured on the decoder's own loop and cached."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -227,6 +228,39 @@ def test_a_row_wants_the_kind_that_goes_furthest_against_its_cost_not_the_larges
   assert np.asarray(policy.wants(state, ready, None)).tolist() == [2, 2, 1]
   stopped = state.replace(pays=jnp.asarray([[False, True], [False, False], [True, True]]))
   assert np.asarray(policy.wants(stopped, ready, costs)).tolist() == [2, 0, 1]
+
+
+def test_a_kind_outranked_on_its_probe_is_wanted_again_where_its_evidence_says_more():
+  """The block with lookup paid on its probe, but less against its cost than the heads' tree
+  alone, so it never ran again and its account was never renewed; its drafter's evidence (its
+  chains checked against the text) is, and where it says more the block is wanted again."""
+  policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1), evidence_kinds=(False, True))
+  costs = jnp.asarray([[1.1, 1.6]])
+  ready = jnp.ones((1, 2), bool)
+  state = policy.start(costs, jnp.asarray([128])).replace(
+      tokens=jnp.asarray([[13, 10]]), steps=jnp.asarray([[10, 6]]), probe=jnp.asarray([[8, 1]]))
+  assert np.asarray(state.pays).all()
+  args = (ready, jnp.ones((1,), bool), jnp.ones((1,), bool), jnp.asarray([100]), jnp.int32(-1),
+          costs)
+  # 1.3 tokens a step at 1.1 goes further than 1.67 at 1.6.
+  assert int(policy.wants(state, ready, costs)[0]) == 1
+  assert int(policy.choose(state, *args)[0]) == 1
+  # Evidence below the account changes nothing; lookup's chains matching 7 tokens a step do.
+  weak = state.replace(evidence=jnp.asarray([[jnp.nan, 1.5]]))
+  assert int(policy.choose(weak, *args)[0]) == 1
+  repeating = state.replace(evidence=jnp.asarray([[jnp.nan, 7.0]]))
+  assert int(policy.wants(repeating, ready, costs)[0]) == 2
+  assert int(policy.choose(repeating, *args)[0]) == 2
+  # In a batch the evidence counts for its row: two rows whose text repeats carry the block
+  # for a third, (7 + 7 + 1.3) / (3 * 1.6) > 3.9 / 3.3, where their accounts alone would not.
+  batch = jax.tree.map(lambda x: jnp.concatenate([x] * 3), repeating)
+  batch = batch.replace(evidence=jnp.asarray([[jnp.nan, 7.0]] * 2 + [[jnp.nan, jnp.nan]]))
+  ready3 = jnp.ones((3, 2), bool).at[2, 1].set(False)
+  batch_args = (ready3, jnp.ones((3,), bool), jnp.ones((3,), bool), jnp.asarray([100, 90, 90]),
+                jnp.int32(-1), jnp.concatenate([costs] * 3))
+  assert int(policy.choose(batch, *batch_args)[0]) == 2
+  stale = batch.replace(evidence=jnp.full((3, 2), jnp.nan))
+  assert int(policy.choose(stale, *batch_args)[0]) == 1
 
 
 def test_a_batch_runs_the_larger_block_only_where_the_batch_gains_from_it():
