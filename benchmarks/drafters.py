@@ -20,7 +20,8 @@ on the trunk's features only, EAGLE-1), 'eagle_w0' / 'eagle_w10' (feature-regres
 or 10 instead of 1), 'eagle3' (EAGLE-3's fused features and input layer, no feature loss). The
 EAGLE rows are the measurement behind the family's defaults.
 Speculative Streaming: 'streaming' (γ stream embeddings alone), 'streaming_lora' /
-'streaming_lora8' (with rank-1 / rank-8 adapters), 'streaming_finetune' (the paper's recipe: the trunk fine-tuned with the streams).
+'streaming_lora8' (with rank-1 / rank-8 adapters), 'streaming_finetune' (the paper's recipe:
+the trunk fine-tuned with the streams).
 
 Each row also gives the heads' own parameters and a drafting step's cost against a one-token
 step (tokens per step over the speedup, both from the same run); `--batch_size` adds a greedy
@@ -282,7 +283,8 @@ def main(argv):
     accs = ' '.join(f'{a:.3f}' for a in r['eval_head_acc'] if a is not None)
     print(f'{r["variant"]:<18} {r["extra_parameters"]:>8} {r["temperature"]:>5} '
           f'{r["batch_size"]:>5} {r["train_seconds"]:>8.0f} '
-          f'{r["tokens_per_step"]:>12.3f} {r["step_cost"]:>8.2f}x {r["chain_tokens_per_sec"]:>12.1f} '
+          f'{r["tokens_per_step"]:>12.3f} {r["step_cost"]:>8.2f}x '
+          f'{r["chain_tokens_per_sec"]:>12.1f} '
           f'{r["autoregressive_tokens_per_sec"]:>9.1f} {r["speedup"]:>7.2f}x '
           f'{str(r["outputs_match"]):>6} {r["distinct_tokens"]:>6}  {accs}')
   result = dict(trunk=str(trunk), trunk_train_seconds=trunk_seconds, config=FLAGS.config,

@@ -2,13 +2,12 @@ r"""Training cost of multi-token heads, measured side by side in one run.
 
   python -m benchmarks.train_cost [--config=configs/code_small.py] [--steps=5]
 
-Compares one train step of the same trunk with no heads, with K heads of each family, with
-K parallel heads but the naive loss (all heads' full-vocabulary logits at once, kept for the
-backward pass), and with the heads' losses computed at every 4th position
-(`mtp_head_loss_stride`). Step time is the median of `--steps` timed steps after compilation; peak memory
-is XLA's buffer assignment for the compiled step (arguments + outputs - aliased + temporaries),
-which does not depend on machine noise. Prints ratios against the no-head trunk and writes
-results/train_cost.json.
+Compares one train step of the same trunk with no heads, with K heads of each family, with K
+parallel heads but the naive loss (all heads' full-vocabulary logits at once, kept for the backward
+pass), and with the heads' losses computed at every 4th position (`mtp_head_loss_stride`). Step time
+is the median of `--steps` timed steps after compilation; peak memory is XLA's buffer assignment for
+the compiled step (arguments + outputs - aliased + temporaries), which does not depend on machine
+noise. Prints ratios against the no-head trunk and writes results/train_cost.json.
 """
 
 from __future__ import annotations

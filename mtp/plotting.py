@@ -190,7 +190,7 @@ def tree_picture(tree: trees_lib.Tree, title: str, accuracies: np.ndarray | None
   for side in ('top', 'right', 'bottom'):
     ax.spines[side].set_visible(False)
   shading = '\nshade: probability that the path is accepted' if accuracies is not None else ''
-  ax.set_title(f'{_wrapped(title, 70)}\n{n - 1} draft nodes; label: the head\'s candidate rank (L: lookup)'
-               f'{shading}', fontsize=10)
+  ax.set_title(f'{_wrapped(title, 70)}\n{n - 1} draft nodes; '
+               f'label: the head\'s candidate rank (L: lookup){shading}', fontsize=10)
   fig.tight_layout()
   return fig

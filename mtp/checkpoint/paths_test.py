@@ -75,4 +75,5 @@ def test_a_bucket_cache_root_keeps_host_caches_on_this_host(tmp_path, monkeypatc
   assert str(paths.local_dir('gs://b/run', 'data_cache')) == str(
       tmp_path / '.cache' / 'mtp' / 'workdirs' / 'gs' / 'b' / 'run' / 'data_cache')
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path / 'c'))
-  assert str(paths.cache_root()) == str(tmp_path / 'c') and paths.host_cache_root() == tmp_path / 'c'
+  assert str(paths.cache_root()) == str(tmp_path / 'c')
+  assert paths.host_cache_root() == tmp_path / 'c'

@@ -33,7 +33,8 @@ def cast_params(state: nnx.State, dtype: np.dtype) -> nnx.State:
 
 
 def write(loaded, directory: pathlib.Path, dtype: np.dtype) -> dict:
-  """Writes `loaded` (an `checkpoint.loading.LoadedModel`) as a params export into empty `directory`.
+  """Writes `loaded` (a `checkpoint.loading.LoadedModel`) as a params export into the empty
+  `directory`.
 
   Returns:
     bytes of the checkpoint written, and of the source's training checkpoint (parameters,

@@ -20,8 +20,8 @@ from mtp.pretrained import gguf_tokenizer
 from mtp.pretrained import llama
 
 SHAPE = llama.LlamaShape(vocab_size=288, embed_dim=64, num_layers=2, num_attention_heads=4,
-                         num_kv_heads=2, head_dim=16, mlp_dim=96, max_seq_len=128, rope_theta=10_000.0,
-                         norm_eps=1e-5, tie_embeddings=True)
+                         num_kv_heads=2, head_dim=16, mlp_dim=96, max_seq_len=128,
+                         rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True)
 CONTROL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
 SPECIAL_IDS = tokenizer_lib.SpecialIds(pad_id=2, eos_id=2, bos_id=1)  # As SmolLM2.
 # A ChatML template like SmolLM2-Instruct's (shortened).

@@ -83,7 +83,8 @@ def local_source(source: str | os.PathLike) -> Iterator[pathlib.Path]:
   A local path is itself. A file at a URL (GGUF) is its local copy (`paths.local_copy`). A
   Hugging Face directory at a URL is a temporary local directory of the same name, under
   `paths.host_cache_root()/importing/`, of links to local copies of its `_HF_SUFFIXES` files:
-  exactly the files there now (a cached copy of a file since removed there is not seen), removed on exit.
+  exactly the files there now (a cached copy of a file since removed there is not seen),
+  removed on exit.
 
   Raises:
     PretrainedError: nothing is at the URL.
