@@ -252,9 +252,8 @@ class AutoPolicy:
     one whose tokens per step (`_rates`: its account, or its drafter's evidence where that says
     more) go furthest against its break-even (`costs` [B, K]), not the largest: a block with
     lookup beside the heads' tree may pay and still pay less than the tree alone, most at
-    larger batches. A kind still in its probe ranks first, the largest
-    first, so each is judged on its own steps before it is compared (as is every kind when
-    `costs` is None)."""
+    larger batches. A kind still in its probe ranks first, the largest first, so each is judged
+    on its own steps before it is compared (as is every kind when `costs` is None)."""
     eligible = state.pays & ready  # [B, K]
     unjudged = _unjudged(state)
     if costs is None:
