@@ -38,6 +38,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp.model import products
 
@@ -263,11 +264,12 @@ def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array
   # In half precision on CPU, decoding is exact only if a query row's result has the same bits
   # in any block (`products`): sums in a fixed order instead of XLA's shape-dependent ones.
   fixed_order = products.on_fast_path(q.dtype)
+  static = _known(block_mask)
   block_mask = jnp.broadcast_to(block_mask, (b, t, n))
   lengths = lengths.astype(jnp.int32)
 
   if fixed_order:
-    chunk = _logical_chunks(q, keys, values, lengths, block_mask)
+    chunk = _logical_chunks(q, keys, values, lengths, block_mask, static)
   else:
     def chunk(i, carry):
       start = i * CHUNK
@@ -318,7 +320,8 @@ def _online_softmax_step(carry, scores: jax.Array, visible: jax.Array, weighted,
           acc * scale[..., None] + weighted(p))
 
 
-def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array):
+def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array,
+                    static: np.ndarray | None):
   """`attend`'s chunk step in half precision on CPU, where each query's result must have the
   same bits as when its token is decoded alone (`products`: exact decoding).
 
@@ -329,58 +332,89 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
   has committed are the same for all queries and are read once; in the others each query's
   scores and values are gathered into its logical order. The products are row-invariant (a
   score or a sum has the same bits whichever block computes it) and the sums run in a fixed
-  order, so nothing depends on the block's shape. A block whose every query sees a
-  prefix of it (one token, a chain) is already in logical order: it is read once too.
+  order, so nothing depends on the block's shape.
+
+  A query that sees a prefix of the block (one token, a chain, a tree's first path where the
+  tree lists it first: `trees.attention_order`) is already in logical order: it is read with
+  the committed chunks. Where the mask is known when tracing (`static`), only the other
+  queries are gathered, or all of them where they are most (`decode/verification.py` has the
+  figures). A mask known only at run time gathers every query unless all turn out in order.
   """
   b, t, h, d = q.shape
   n = block_mask.shape[-1]
   count = jnp.sum(block_mask, axis=-1, dtype=jnp.int32)  # [B, T]
-  in_order = jnp.all(block_mask == (jnp.arange(n) < count[..., None]))
+  if n == 1:  # One block token: every query sees it or none does, in order either way.
+    static = np.ones((t, 1), bool)
+  if static is None:  # Every query is gathered, unless all of them turn out in order.
+    lagging = np.arange(t)
+    in_order = jnp.all(block_mask == (jnp.arange(n) < count[..., None]))
+  else:
+    prefix = static == (np.arange(n) < static.sum(-1, keepdims=True))
+    lagging = np.flatnonzero(~prefix.all(-1).reshape(-1, t).all(0))  # Queries out of order.
+    in_order = lagging.size == 0
+    if 2 * lagging.size > t:  # Most of them: gathering all costs less than a second pass.
+      lagging = np.arange(t)
+  every = lagging.size == t
+  q_lagging = q if every else q[:, lagging]
+  mask_lagging = block_mask if every else block_mask[:, lagging]
+  count_lagging = count if every else count[:, lagging]
 
   def block_reads():
-    """Each query's visible block tokens in index order (its ancestors, then itself) [B, T, N],
-    the block's scores [B, G, T, R, N] and values [B, G, N, d]."""
-    order = jnp.argsort(~block_mask, axis=-1, stable=True).astype(jnp.int32)
-    return (order, _shared_scores(q, _read_blocks(keys, lengths, n)),
+    """The lagging queries' visible block tokens in index order (ancestors, then itself)
+    [B, L, N], their block scores [B, G, L, R, N] and the block's values [B, G, N, d]."""
+    order = jnp.argsort(~mask_lagging, axis=-1, stable=True).astype(jnp.int32)
+    return (order, _shared_scores(q_lagging, _read_blocks(keys, lengths, n)),
             _read_blocks(values, lengths, n))
 
   # Only a block out of logical order reads them: a one-token step never (static), a prefill
   # chunk or a chain skips the sort and the products (2-3% of a long prompt's prefill).
-  if n > 1:
-    order, block_scores, block_values = jax.lax.cond(
+  if in_order is not True:
+    order, block_scores, block_values = (block_reads() if static is not None else jax.lax.cond(
         in_order, lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                       jax.eval_shape(block_reads)), block_reads)
-  # [G, N, d], [T, C] -> [G, T, C, d]: each query's values in its logical order.
+                                       jax.eval_shape(block_reads)), block_reads))
+  # [G, N, d], [L, C] -> [G, L, C, d]: each query's values in its logical order.
   gather = jax.vmap(lambda block, index: block[:, index])
 
   def chunk(i, carry):
     start = i * CHUNK
     k, v = _read(keys, start, CHUNK), _read(values, start, CHUNK)  # [B, G, C, d]
     relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
-    visible = relative[:, None, :] < count[:, :, None]  # [B, T, C]
 
     def shared(_):
+      visible = relative[:, None, :] < count[:, :, None]  # [B, T, C]
       return _online_softmax_step(carry, _shared_scores(q, k), visible,
                                   lambda p: _shared_weighted(p, v, q.dtype), True)
 
     def per_query(_):
-      index = jnp.take_along_axis(
-          order, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
-          axis=2)  # [B, T, C]
+      index = jnp.take_along_axis(order, jnp.broadcast_to(
+          jnp.clip(relative, 0, n - 1)[:, None, :], (b, lagging.size, CHUNK)), axis=2)
       committed = relative < 0  # [B, C]
       # A score is one query's dot product with one key: the same bits wherever it is computed.
-      scores = jnp.where(committed[:, None, None, None], _shared_scores(q, k),
+      scores = jnp.where(committed[:, None, None, None], _shared_scores(q_lagging, k),
                          jnp.take_along_axis(block_scores, index[:, None, :, None], axis=-1))
       query_values = jnp.where(committed[:, None, None, :, None], v[:, :, None],
-                               gather(block_values, index))  # [B, G, T, C, d]
-      return _online_softmax_step(carry, scores, visible,
-                                  lambda p: _query_weighted(p, query_values, q.dtype), True)
+                               gather(block_values, index))  # [B, G, L, C, d]
+      visible = relative[:, None, :] < count_lagging[:, :, None]  # [B, L, C]
+      if every:
+        return _online_softmax_step(carry, scores, visible,
+                                    lambda p: _query_weighted(p, query_values, q.dtype), True)
+      own = _online_softmax_step(jax.tree.map(lambda a: a[:, :, lagging], carry), scores,
+                                 visible, lambda p: _query_weighted(p, query_values, q.dtype),
+                                 True)
+      return jax.tree.map(lambda a, o: a.at[:, :, lagging].set(o), shared(None), own)
 
-    if n == 1:
+    if in_order is True:
       return shared(None)
     return jax.lax.cond(in_order | (start + CHUNK <= jnp.min(lengths)), shared, per_query, None)
 
   return chunk
+
+
+def _known(mask) -> np.ndarray | None:
+  """The mask's values where they are known when tracing (a tree's constant), else None."""
+  if isinstance(mask, jax.core.Tracer):
+    return None
+  return np.asarray(mask, bool)
 
 
 def _read_blocks(buffer, lengths: jax.Array, n: int) -> jax.Array:

@@ -266,9 +266,9 @@ def test_a_half_precision_cache_is_never_converted_whole():
 def test_attention_transposes_no_chunk_of_the_cache(dtype, num_tokens):
   """The cache is laid out [B, G, S, d] so that a chunk of it is its products' operand as it
   lies. Laid out [B, S, G, d], every chunk of keys and values was transposed in the loop: 18
-  of a 53 ms one-token step of SmolLM2 at batch 4 in bfloat16. (A half-precision block's
-  chunks that hold its own tokens, out of logical order in a tree, are gathered per query
-  and transposed: one or two chunks a step, not checked here.)"""
+  of a 53 ms one-token step of SmolLM2 at batch 4 in bfloat16. (In the one or two chunks that
+  hold a half-precision tree block, its nodes off the tree's longest path are gathered per
+  query and transposed: `kv_cache_test`, not checked here.)"""
   cfg = testing.tiny_config(mtp_num_heads=0)
   cfg = dataclasses.replace(cfg, trunk=dataclasses.replace(cfg.trunk, dtype=dtype,
                                                            param_dtype=dtype))

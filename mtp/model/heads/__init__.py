@@ -427,9 +427,10 @@ class DraftProjection:
     return index if self.vocab is None else jnp.take(self.vocab.ids, index, axis=0)
 
 
-def causal_mask(t: int) -> Array:
-  """[T, T] lower-triangular block mask (a chain of new tokens)."""
-  return jnp.tril(jnp.ones((t, t), bool))
+def causal_mask(t: int) -> np.ndarray:
+  """[T, T] lower-triangular block mask (a chain of new tokens), a constant: attention then
+  knows when tracing that every query reads its keys in order (`kv_cache.attend`)."""
+  return np.tril(np.ones((t, t), bool))
 
 
 def layer_cache(cache: kv_cache_lib.KVCache | None, layer: int):
