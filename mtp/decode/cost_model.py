@@ -35,6 +35,7 @@ from flax import nnx
 from mtp.decode import measurements
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
+from mtp.decode import verification
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 
@@ -48,8 +49,8 @@ _CPU_FEATURES = ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')
 
 # Bumped when decoding's steps change what they cost, so that curves and break-evens measured
 # before (`step_cost`, `auto.break_even`) are measured again: 2, the KV cache laid out
-# [B, G, S, d] (2026-12-05).
-STEPS_VERSION = 2
+# [B, G, S, d] (2026-12-05); 3, trees verified in attention order (`verification`).
+STEPS_VERSION = 3
 
 
 @functools.cache
@@ -152,23 +153,22 @@ def _timed_loop(graphdef, params, vocab_ids=None, *, num_tokens: int, batch_size
   cache = model.init_cache(b, context + num_tokens + depth + 1)
   lengths = jnp.full((b,), context, jnp.int32)
   positions = lengths[:, None] + jnp.asarray(tree.depth)[None, :]
-  mask = jnp.asarray(tree.attention_mask)
   path = jnp.broadcast_to(jnp.asarray(tree.node_paths[int(np.argmax(tree.depth))]),
                           (b, depth + 1))
   vocab = model.draft_vocab(vocab_ids) if drafts and vocab_ids is not None else None
 
   def body(_, carry):
     tokens, cache = carry
-    out, cache = model.step(tokens, positions, cache, lengths,
-                            None if drafts and tree.is_chain else mask,
-                            with_heads=drafts or not drafting)
+    out, cache, slot = verification.step(model, tree, tokens, positions, cache, lengths,
+                                         with_heads=drafts or not drafting)
     # Verification needs every node's logits; feeding their argmax (or the drafts made from
     # them) back means no iteration can be hoisted or skipped.
     chosen = jnp.argmax(model.logits(out.normed), axis=-1).astype(jnp.int32)
     if not drafts:
       return chosen, cache
     if not tree.is_chain:
-      cache = kv_cache_lib.compact_layers(cache, lengths, path, model.num_verified_cache_layers)
+      cache = kv_cache_lib.compact_layers(cache, lengths, path if slot is None else slot[path],
+                                          model.num_verified_cache_layers)
     features = jax.tree.map(lambda f: jnp.take_along_axis(
         f, path.reshape(path.shape + (1,) * (f.ndim - 2)), axis=1), out.features)
     # The run's tokens (root, path, the trunk's next token), then the heads' scratch columns.

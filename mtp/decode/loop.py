@@ -42,6 +42,7 @@ from mtp.decode import sampling as sampling_lib
 from mtp.decode import settings as settings_lib
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
+from mtp.decode import verification
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model.heads import tree_drafts
 
@@ -264,9 +265,8 @@ def _drafting_step(model, data, plan, vocab, s: LoopState, row_kind: Array | Non
   nodes = jnp.concatenate([s.last_token[:, None], drafts], axis=1)  # [B, N]
   chain = isinstance(tree, trees_lib.Tree) and tree.is_chain
   depth = tree.depth if isinstance(tree, dynamic_trees.RowTrees) else tree.depth[None, :]
-  out, cache = m.step(nodes, s.lengths[:, None] + jnp.asarray(depth), s.cache, s.lengths,
-                      block_mask=None if chain else jnp.asarray(tree.attention_mask),
-                      with_heads=plan.head_depth > 0)
+  out, cache, slot = verification.step(m, tree, nodes, s.lengths[:, None] + jnp.asarray(depth),
+                                       s.cache, s.lengths, with_heads=plan.head_depth > 0)
   logits = _logits(m, plan, out.normed)  # [B, N, V]: any node may be continued from.
   enabled = None
   if row_kind is not None:
@@ -281,7 +281,8 @@ def _drafting_step(model, data, plan, vocab, s: LoopState, row_kind: Array | Non
   emitted = jnp.where(columns < num_accepted[:, None], shifted, next_token[:, None])
   logprobs = _logprobs(plan, jnp.take_along_axis(logits, path[..., None], axis=1), emitted)
   if not chain:  # A chain's accepted prefix already sits at lengths .. lengths + n.
-    cache = kv_cache_lib.compact_layers(cache, s.lengths, path, m.num_verified_cache_layers)
+    cache = kv_cache_lib.compact_layers(cache, s.lengths, path if slot is None else slot[path],
+                                        m.num_verified_cache_layers)
   head_drafts = None
   if plan.head_depth:  # The accepted path is contiguous in the cache now: draft from it.
     features = jax.tree.map(lambda f: jnp.take_along_axis(

@@ -242,6 +242,23 @@ def _assemble(choices: tuple[Path, ...], parent: Sequence[int], rank: Sequence[i
       lookup_depth=lookup_depth)
 
 
+def attention_order(tree: Tree) -> np.ndarray:
+  """The order a verification pass lays the tree's nodes out in: its longest root-to-leaf path
+  first (of equal ones, the first leaf's), then the other nodes in node order (parents still
+  before children). [N] int32: block slot j holds node order[j].
+
+  A node of that path sees a prefix of the block, so attention reads its keys with the
+  committed ones instead of gathering them per query (`kv_cache.attend`, in half precision on
+  CPU): in a block of the heads' tree and prompt lookup's chain (`join`), the chain is that
+  path and only the heads' nodes are gathered.
+  """
+  depths = np.sum(tree.leaf_paths >= 0, axis=1)
+  path = tree.leaf_paths[int(np.argmax(depths))]
+  path = [int(node) for node in path[path >= 0]]
+  on_path = set(path)
+  return np.asarray(path + [i for i in range(tree.num_nodes) if i not in on_path], np.int32)
+
+
 def chain_tree(k: int) -> Tree:
   """The chain of top-1 drafts of depth k: root -> (0,) -> (0, 0) -> ...; N = k + 1."""
   if k < 0:

@@ -202,6 +202,23 @@ def test_a_lookup_chain_hangs_below_the_root_after_the_head_nodes():
     trees.with_lookup(base, 0)
 
 
+def test_attention_order_lists_the_longest_path_first_then_the_rest_in_node_order():
+  lookup = trees.with_lookup(trees.tree_from_choices([(0,), (1,), (0, 0)]), 3)
+  np.testing.assert_array_equal(trees.attention_order(lookup), [0, 4, 5, 6, 1, 2, 3])
+  heads = trees.tree_from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])  # Ties: the first.
+  np.testing.assert_array_equal(trees.attention_order(heads), [0, 1, 3, 5, 2, 4])
+  np.testing.assert_array_equal(trees.attention_order(trees.chain_tree(3)), [0, 1, 2, 3])
+  for tree in (lookup, heads, trees.medusa_default_tree(4)):
+    order = trees.attention_order(tree)
+    assert sorted(order) == list(range(tree.num_nodes))
+    slot = np.argsort(order)
+    assert all(slot[tree.parent[node]] < slot[node] for node in range(1, tree.num_nodes))
+    mask = tree.attention_mask[order][:, order]  # The path's nodes see a prefix of the block.
+    depth = tree.max_depth
+    np.testing.assert_array_equal(mask[:depth + 1, :depth + 1], np.tril(np.ones((depth + 1,) * 2)))
+    assert not mask[:depth + 1, depth + 1:].any()
+
+
 def test_without_lookup_is_the_heads_part_of_the_tree():
   base = trees.tree_from_choices([[0], [1], [0, 0]])
   whole = trees.with_lookup(base, 3)
