@@ -125,3 +125,30 @@ def test_drafting_is_timed_on_a_tree_the_heads_can_draft(nodes, heads):
 def test_native_bfloat16_is_an_accelerator_or_a_cpu_with_bfloat16_instructions(
     platform_name, flags, native):
   assert cost_model.native_bfloat16(platform_name, flags) is native
+
+
+def test_a_curve_that_falls_is_measured_again_and_never_kept_falling(tmp_path, monkeypatch):
+  """Other work on the machine can slow some T more than others; such a curve once made `auto`
+  pick a larger tree. It is measured again, each T's fastest counting; a cached one that falls
+  is not read."""
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  disturbed = {1: 1.0, 2: 1.34, 4: 1.04, 8: 1.29}
+  quiet = {1: 1.0, 2: 1.08, 4: 1.25, 8: 1.51}
+  runs = [disturbed, quiet]
+  monkeypatch.setattr(cost_model, 'measure_step_cost',
+                      lambda model, counts, **kw: {t: 0.03 * c for t, c in runs.pop(0).items()})
+  model = testing.tiny_model(0)
+  curve = cost_model.step_cost(model, token_counts=(2, 4, 8))
+  assert not runs and curve == pytest.approx({1: 1.0, 2: 1.08, 4: 1.08, 8: 1.29})
+  assert cost_model.step_cost(model, token_counts=(2, 4, 8)) == curve  # Kept: it rises.
+
+  runs = [disturbed] * (1 + cost_model.REMEASURES)  # Disturbed every time: kept rising.
+  curve = cost_model.step_cost(model, token_counts=(2, 4, 8), refresh=True)
+  assert not runs and curve == pytest.approx({1: 1.0, 2: 1.34, 4: 1.34, 8: 1.34})
+
+  table = measurements.read_table('step_cost.json')
+  (key, entry), = table.items()
+  entry['relative'] = {str(t): c for t, c in disturbed.items()}  # As an older version kept.
+  measurements.store('step_cost.json', key, entry)
+  runs = [quiet]
+  assert cost_model.step_cost(model, token_counts=(2, 4, 8)) == pytest.approx(quiet)
