@@ -39,15 +39,9 @@ def step(model, tree, nodes: Array, positions: Array, cache, lengths: Array, *,
     (StepOutput in node order, cache with the block written from slot `lengths` on, slot [N]
     int32: the block slot that holds each node's entries, or None where slot = node).
   """
-  if not isinstance(tree, trees_lib.Tree):
-    out, cache = model.step(nodes, positions, cache, lengths,
-                            block_mask=tree.attention_mask, with_heads=with_heads)
-    return out, cache, None
-  if tree.is_chain:
-    out, cache = model.step(nodes, positions, cache, lengths, with_heads=with_heads)
-    return out, cache, None
-  order = trees_lib.attention_order(tree)
-  if np.array_equal(order, np.arange(tree.num_nodes)):
+  order = (trees_lib.attention_order(tree) if isinstance(tree, trees_lib.Tree)
+           else None)  # A per-row tree is laid out as it is.
+  if order is None or np.array_equal(order, np.arange(len(order))):  # A chain, for one.
     out, cache = model.step(nodes, positions, cache, lengths, block_mask=tree.attention_mask,
                             with_heads=with_heads)
     return out, cache, None
