@@ -287,16 +287,17 @@ def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   cached = None if refresh else measurements.lookup(_TABLE, key, valid)
   if cached is not None:
     return {int(t): float(c) for t, c in cached['relative'].items()}
-  seconds = measure_step_cost(model, token_counts, batch_size=batch_size, drafting=drafting,
-                              draft_vocab_size=draft_vocab_size, **measure_kwargs)
+  measure = functools.partial(measure_step_cost, model, token_counts, batch_size=batch_size,
+                              drafting=drafting, draft_vocab_size=draft_vocab_size,
+                              **measure_kwargs)
+  seconds = measure()
   # A curve that falls was disturbed (other work on the machine slowed some T more than
   # others): measured again, each T's fastest counts. One such curve, kept, made `auto` pick
   # a larger tree at a higher break-even (T = 2 at 1.34x one token, T = 4 at 1.04x).
   for _ in range(REMEASURES):
     if _rising(relative(seconds)):
       break
-    again = measure_step_cost(model, token_counts, batch_size=batch_size, drafting=drafting,
-                              draft_vocab_size=draft_vocab_size, **measure_kwargs)
+    again = measure()
     seconds = {t: min(seconds[t], again[t]) for t in seconds}
   counts = sorted(seconds)  # What is left of a fall counts as noise: the curve never falls.
   seconds = dict(zip(counts, np.maximum.accumulate([float(seconds[t]) for t in counts])))

@@ -395,12 +395,11 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
       query_values = jnp.where(committed[:, None, None, :, None], v[:, :, None],
                                gather(block_values, index))  # [B, G, L, C, d]
       visible = relative[:, None, :] < count_lagging[:, :, None]  # [B, L, C]
+      weighted = lambda p: _query_weighted(p, query_values, q.dtype)  # noqa: E731
       if every:
-        return _online_softmax_step(carry, scores, visible,
-                                    lambda p: _query_weighted(p, query_values, q.dtype), True)
+        return _online_softmax_step(carry, scores, visible, weighted, True)
       own = _online_softmax_step(jax.tree.map(lambda a: a[:, :, lagging], carry), scores,
-                                 visible, lambda p: _query_weighted(p, query_values, q.dtype),
-                                 True)
+                                 visible, weighted, True)
       return jax.tree.map(lambda a, o: a.at[:, :, lagging].set(o), shared(None), own)
 
     if in_order is True:
