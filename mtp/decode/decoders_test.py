@@ -56,6 +56,10 @@ def test_the_tree_names_are_one_registry_read_by_one_parser():
   assert trees.static_tree('default', 2) == trees.medusa_default_tree(2)
   with pytest.raises(ValueError, match='measurements'):
     trees.static_tree('auto', 3)
+  # The API takes the flag's text too: `mtp.generate(..., tree='[[0], [0, 0]]')`.
+  assert trees.static_tree('[[0], [0, 0]]', 2) == trees.chain_tree(2)
+  with pytest.raises(ValueError, match='JSON choices'):
+    trees.static_tree('bushy', 2)
 
 
 def test_the_emittable_ids_rule():

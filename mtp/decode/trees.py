@@ -430,7 +430,7 @@ def static_tree(choice, num_heads: int) -> Tree:
 
   Args:
     choice: None or 'chain' (every head's top-1 in a chain), 'default' (`medusa_default_tree`),
-      an int k (a chain of k drafts), Medusa-style choices, or a `Tree`.
+      an int k (a chain of k drafts), Medusa-style choices (or their JSON text), or a `Tree`.
     num_heads: the model's MTP heads.
 
   Raises:
@@ -448,8 +448,7 @@ def static_tree(choice, num_heads: int) -> Tree:
     if choice in MEASURED:
       raise ValueError(f'tree={choice!r} is built from measurements of the model '
                        '(`mtp.decode.plan`), not a static tree')
-    raise ValueError(f'tree must be one of {", ".join(NAMES)}, Medusa-style choices or None, '
-                     f'got {choice!r}')
+    choice = parse(choice)  # JSON rank paths, as the --tree flag takes them.
   if isinstance(choice, numbers.Integral) and not isinstance(choice, bool):
     if choice < 1:
       raise ValueError(f'chain length must be >= 1, got {choice}')
