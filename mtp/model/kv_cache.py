@@ -143,10 +143,18 @@ def loaded(x, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, dtype)
 
 
-def _read(buffer, start, size: int) -> jax.Array:
+def _chunk(buffer, i) -> jax.Array:
+  """Chunk i of a buffer, slots [i * CHUNK, (i + 1) * CHUNK): [B, G, CHUNK, d].
+
+  Read as row i of the same memory seen as [B, G, S / CHUNK, CHUNK * d]: XLA:CPU copies that
+  row out faster than the same slots sliced out of [B, G, S, d] (SmolLM2 in bfloat16 at batch 4,
+  a one-token step: 39.9-41.8 ms before, 37.1-37.3 after; autoregressive decoding 100-101
+  tokens/s before, 106-107 after; the same at batch 1)."""
   if isinstance(buffer, RowView):
-    return buffer.read(start, size)
-  return jax.lax.dynamic_slice_in_dim(buffer, start, size, axis=2)
+    return buffer.read(i * CHUNK, CHUNK)
+  b, g, s, d = buffer.shape
+  rows = buffer.reshape(b, g, s // CHUNK, CHUNK * d)
+  return jax.lax.dynamic_index_in_dim(rows, i, axis=2, keepdims=False).reshape(b, g, CHUNK, d)
 
 
 # Slots `attend` reads at a time. 128 ran as fast as attention over the whole cache at full
@@ -273,8 +281,8 @@ def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array
   else:
     def chunk(i, carry):
       start = i * CHUNK
-      k = loaded(_read(keys, start, CHUNK), jnp.float32)
-      v = loaded(_read(values, start, CHUNK), jnp.float32)
+      k = loaded(_chunk(keys, i), jnp.float32)
+      v = loaded(_chunk(values, i), jnp.float32)
       relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
       in_block = jnp.take_along_axis(
           block_mask, jnp.broadcast_to(jnp.clip(relative, 0, n - 1)[:, None, :], (b, t, CHUNK)),
@@ -377,7 +385,7 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
 
   def chunk(i, carry):
     start = i * CHUNK
-    k, v = _read(keys, start, CHUNK), _read(values, start, CHUNK)  # [B, G, C, d]
+    k, v = _chunk(keys, i), _chunk(values, i)  # [B, G, C, d]
     relative = start + jnp.arange(CHUNK)[None, :] - lengths[:, None]  # [B, C]
 
     def shared(_):
