@@ -149,7 +149,7 @@ def _chunk(buffer, i) -> jax.Array:
   Read as row i of the same memory seen as [B, G, S / CHUNK, CHUNK * d]: XLA:CPU copies that
   row out faster than the same slots sliced out of [B, G, S, d] (SmolLM2 in bfloat16 at batch 4,
   a one-token step: 39.9-41.8 ms before, 37.1-37.3 after; autoregressive decoding 100-101
-  tokens/s before, 106-107 after; the same at batch 1)."""
+  tokens/s before, 106-107 after; batch 1 unchanged)."""
   if isinstance(buffer, RowView):
     return buffer.read(i * CHUNK, CHUNK)
   b, g, s, d = buffer.shape
