@@ -111,3 +111,11 @@ def gcs_bucket(gcs_emulator, request):
   epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
   name = re.sub(r'[^a-zA-Z0-9_-]+', '-', request.node.name)[:60]
   return f'gs://bucket/{name}-{uuid.uuid4().hex[:8]}'
+
+
+@pytest.fixture(autouse=True)
+def _machine_never_quiet(monkeypatch):
+  """Tests see a busy machine: a timing cached as disturbed is measured again where the
+  machine is quiet (`measurements.lookup`), which in a test would hang on what the other xdist
+  worker happens to do. The tests of that rule set the machine's state themselves."""
+  monkeypatch.setattr('mtp.decode.measurements.machine_quiet', lambda: False)

@@ -370,7 +370,8 @@ def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
                refresh: bool = False, steps: int | None = None,
                repeats: int = 5) -> float:
   """Seconds per drafting step of `kind` over seconds per one-token step, for `engine`'s
-  compiled loop on these prompts (greedy), measured once and cached (`measurements`).
+  compiled loop on these prompts (greedy), measured once and cached (`measurements`; measured
+  again once the machine is quiet where other processes disturbed it).
 
   The two kinds of step take turns, and the fastest run of each counts: load from other work
   only ever adds time. (The median of per-pair ratios, used once, read 1.25 for a heads' block
@@ -409,6 +410,7 @@ def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
 
   overhead = 0.0
   timed(kind), timed(0)  # Compiles (decoding then reuses it) and warms up.
+  watch = measurements.OtherWork()
   overhead = min(engine.seconds_per_call(prompts, lengths) for _ in range(repeats))
   pairs = [(timed(kind), timed(0)) for _ in range(repeats)]
   if min(min(pair) for pair in pairs) <= 0:  # Steps too cheap to tell from a call's noise.
@@ -416,9 +418,10 @@ def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
     pairs = [(timed(kind), timed(0)) for _ in range(repeats)]
   drafting, one_token = min(d for d, _ in pairs), min(o for _, o in pairs)
   ratio = drafting / one_token
-  measurements.store(_TABLE, key, {
+  measurements.store(_TABLE, key, measurements.note_load({
       'break_even': ratio, 'seconds_per_step': {'drafting': drafting, 'one_token': one_token},
-      'ratios': [d / o for d, o in pairs], 'measured': time.strftime('%Y-%m-%d %H:%M:%S')})
+      'ratios': [d / o for d, o in pairs], 'measured': time.strftime('%Y-%m-%d %H:%M:%S')},
+      watch, f'the break-even of drafting kind {kind} at batch {b}'))
   return ratio
 
 

@@ -499,6 +499,42 @@ def test_break_even_is_measured_once_then_read_from_the_cache(model, prompts, tm
   assert len(calls) == 34
 
 
+def test_a_break_even_timed_under_load_is_measured_again_once_quiet(model, prompts, tmp_path,
+                                                                   monkeypatch):
+  """Fastest against fastest does not undo sustained load: such a break-even is used, and
+  measured again by the first run that finds the machine quiet."""
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  timed, others = [], [1.0]  # Other processes' cores while timing.
+
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False):
+    timed.append(kind)
+    return (0.003 if kind else 0.002) * (1 + others[0])
+
+  class Watch:
+
+    def cores(self):
+      return others[0]
+
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', per_step)
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_call', lambda self, p, l: 0.0)
+  monkeypatch.setattr(measurements, 'OtherWork', Watch)
+  engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == pytest.approx(1.5)
+  [entry] = measurements.read_table('break_even.json').values()
+  assert entry[measurements.OTHERS_CORES] == 1.0
+  runs = len(timed)
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == pytest.approx(1.5)
+  assert len(timed) == runs  # Still busy (conftest): read from the cache.
+  monkeypatch.setattr(measurements, 'machine_quiet', lambda: True)
+  others[0] = 0.0
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == pytest.approx(1.5)
+  assert len(timed) == 2 * runs
+  [entry] = measurements.read_table('break_even.json').values()
+  assert entry[measurements.OTHERS_CORES] == 0.0
+  assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == pytest.approx(1.5)
+  assert len(timed) == 2 * runs  # Timed on a quiet machine: kept.
+
+
 def test_steps_cheaper_than_a_calls_noise_are_timed_with_it(model, prompts, tmp_path,
                                                             monkeypatch):
   """Where a run's steps cost less than the variation of a call's overhead (a tiny model),

@@ -262,7 +262,8 @@ def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   cache (`measurements.py`, `step_cost.json`), keyed by device kind, model shape, batch size
   and the token counts (and with `drafting`, the heads' configuration and draft vocabulary).
   A curve that falls as T grows is measured again (`REMEASURES`), and a cached one that falls
-  is not read.
+  is not read; one timed while other processes kept the CPU busy is measured again once the
+  machine is quiet (`measurements.lookup`).
 
   Args:
     model: an `MTPModel`.
@@ -291,6 +292,7 @@ def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   measure = functools.partial(measure_step_cost, model, token_counts, batch_size=batch_size,
                               drafting=drafting, draft_vocab_size=draft_vocab_size,
                               **measure_kwargs)
+  watch = measurements.OtherWork()
   seconds = measure()
   # A curve that falls was disturbed (other work on the machine slowed some T more than
   # others): measured again, each T's fastest counts. One such curve, kept, made `auto` pick
@@ -303,8 +305,11 @@ def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   counts = sorted(seconds)  # What is left of a fall counts as noise: the curve never falls.
   seconds = dict(zip(counts, np.maximum.accumulate([float(seconds[t]) for t in counts])))
   curve = relative(seconds)
-  measurements.store(_TABLE, key, {'relative': {str(t): c for t, c in curve.items()},
-                                   'seconds': {str(t): c for t, c in seconds.items()}})
+  measurements.store(_TABLE, key, measurements.note_load(
+      {'relative': {str(t): c for t, c in curve.items()},
+       'seconds': {str(t): c for t, c in seconds.items()}},
+      watch, f'the cost curve of {"drafting" if drafting else "verification"} steps at batch '
+      f'{batch_size}'))
   return curve
 
 

@@ -30,6 +30,30 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
                          token_counts=(4,))
 
 
+def test_a_curve_timed_under_load_is_measured_again_once_quiet(tmp_path, monkeypatch):
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  measured = []
+
+  def measure(model, counts, **kwargs):
+    measured.append(counts)
+    return {t: 1e-3 * t for t in counts}
+
+  class Busy:
+
+    def cores(self):
+      return 1.5
+
+  monkeypatch.setattr(cost_model, 'measure_step_cost', measure)
+  monkeypatch.setattr(measurements, 'OtherWork', Busy)
+  model = testing.tiny_model(0)
+  cost_model.step_cost(model, token_counts=(2,))
+  cost_model.step_cost(model, token_counts=(2,))
+  assert len(measured) == 1  # The machine is still busy (conftest): read from the cache.
+  monkeypatch.setattr(measurements, 'machine_quiet', lambda: True)
+  cost_model.step_cost(model, token_counts=(2,))
+  assert len(measured) == 2
+
+
 def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   measurements.root().mkdir(parents=True)

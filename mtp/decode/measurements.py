@@ -14,6 +14,12 @@ Each file is only a cache: an unreadable one, or an entry that does not hold wha
 expects, is named in a warning and measured again. Writes re-read the table first (another
 process may have added entries) and replace the file atomically; a read-only cache is measured
 again next time instead of failing.
+
+A timing notes the CPU other processes used while it ran (`OtherWork`, as `OTHERS_CORES` in its
+entry): where that passes `BUSY_CORES`, it is used and kept, and measured again by the first
+process that finds it while the machine is quiet (`lookup`). Taking the fastest of several runs
+does not undo sustained load, and one disturbed break-even, once cached, misjudged drafting in
+every later run on that machine.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import hashlib
 import io
 import json
 import logging
+import os
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -30,6 +38,13 @@ from etils import epath
 from mtp.checkpoint import paths
 
 DIRECTORY = 'decode'
+# The field of a timing's entry that holds the CPU cores other processes kept busy meanwhile.
+OTHERS_CORES = 'others_cores'
+# Other processes' average CPU use, in cores, beyond which a timing counts as disturbed. A quiet
+# 2-core machine here reads 0.00-0.01; one other process spinning reads 1.00.
+BUSY_CORES = 0.25
+# How long `machine_quiet` watches the machine.
+QUIET_SAMPLE_SECONDS = 0.25
 
 
 def root() -> epath.Path:
@@ -61,7 +76,8 @@ def read_table(name: str) -> dict:
 
 
 def lookup(name: str, key: str, valid: Callable[[Any], bool]) -> Any | None:
-  """Entry `key` of table `name` if `valid(entry)`; None (logged when malformed) otherwise."""
+  """Entry `key` of table `name` if `valid(entry)`; None (logged when malformed) otherwise,
+  and None for a timing taken under other work (`disturbed`) while the machine is quiet now."""
   entry = read_table(name).get(key)
   if entry is None:
     return None
@@ -73,7 +89,76 @@ def lookup(name: str, key: str, valid: Callable[[Any], bool]) -> Any | None:
     logging.warning('Ignoring entry %r of the measurement cache %s (malformed); measuring '
                     'again.', key, root() / name)
     return None
+  if disturbed(entry) and machine_quiet():
+    logging.info('Entry %r of the measurement cache %s was timed while other processes kept '
+                 '%.2f cores busy; the machine is quiet now: measuring again.', key,
+                 root() / name, entry[OTHERS_CORES])
+    return None
   return entry
+
+
+def disturbed(entry: Any) -> bool:
+  """Whether `entry` is a timing taken while other processes kept `BUSY_CORES` busy."""
+  cores = entry.get(OTHERS_CORES) if isinstance(entry, dict) else None
+  return isinstance(cores, (int, float)) and cores > BUSY_CORES
+
+
+def _busy_cpu_seconds() -> float | None:
+  """CPU seconds every process has used since boot, steal time included (the hypervisor ran
+  other machines on ours), from Linux's /proc/stat; None where there is none."""
+  try:
+    with open('/proc/stat', encoding='ascii') as f:
+      fields = f.readline().split()
+    ticks = [int(v) for v in fields[1:9]]
+  except (OSError, ValueError):
+    return None
+  if fields[:1] != ['cpu'] or len(ticks) < 8:
+    return None
+  user, nice, system, _, _, irq, softirq, steal = ticks
+  return (user + nice + system + irq + softirq + steal) / os.sysconf('SC_CLK_TCK')
+
+
+class OtherWork:
+  """The CPU that processes other than this one use from its creation on.
+
+    watch = OtherWork()
+    ...  # time something
+    watch.cores()  # e.g. 0.0 on a quiet machine, 1.0 beside one busy process; None: unknown
+  """
+
+  def __init__(self):
+    self._start = (time.monotonic(), _busy_cpu_seconds(), time.process_time())
+
+  def cores(self) -> float | None:
+    """Other processes' average CPU use since creation, in cores (None: no /proc/stat)."""
+    wall_start, busy_start, own_start = self._start
+    busy = _busy_cpu_seconds()
+    wall = time.monotonic() - wall_start
+    if busy is None or busy_start is None or wall <= 0:
+      return None
+    own = time.process_time() - own_start  # Every thread of this process.
+    return max(busy - busy_start - own, 0.0) / wall
+
+
+def machine_quiet() -> bool:
+  """Whether other processes keep less than `BUSY_CORES` busy now (watched for
+  `QUIET_SAMPLE_SECONDS`; False where it cannot tell)."""
+  watch = OtherWork()
+  time.sleep(QUIET_SAMPLE_SECONDS)
+  cores = watch.cores()
+  return cores is not None and cores < BUSY_CORES
+
+
+def note_load(entry: dict, watch: OtherWork, what: str) -> dict:
+  """`entry` with the other processes' CPU use `watch` saw (`OTHERS_CORES`), warned of where
+  it passes `BUSY_CORES`: `what` names the timing in the warning."""
+  cores = watch.cores()
+  if cores is None:
+    return entry
+  if cores > BUSY_CORES:
+    logging.warning('Timed %s while other processes kept %.2f CPU cores busy: used and cached '
+                    'for now, and measured again when the machine is quiet.', what, cores)
+  return {**entry, OTHERS_CORES: round(cores, 3)}
 
 
 def store(name: str, key: str, entry: Any) -> None:
