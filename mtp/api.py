@@ -10,6 +10,7 @@ batches through the engine that returns (`decode.engine`).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from typing import Callable, Sequence
 
@@ -97,6 +98,9 @@ def generate(loaded_or_workdir, prompts: str | Sequence[str], *, max_new_tokens:
   options = {k: v for k, v in options.items() if v is not None}  # None: the default.
   texts = _checked_texts(prompts)
   batch_size = _checked_batch_size(batch_size, len(texts))
+  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
+      or max_new_tokens < 1):  # Named as the caller named it (`Sampling` calls it max_tokens).
+    raise ValueError(f'max_new_tokens must be a positive integer, got {max_new_tokens!r}')
   steps_per_chunk = _steps_per_chunk(steps_per_chunk, decoder)
   tokenizer = loaded.tokenizer
   sampling = settings_lib.Sampling(

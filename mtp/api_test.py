@@ -152,6 +152,8 @@ def test_generate_returns_the_models_logprobs(workdir):
     (dict(tree='bushy'), 'tree must be one of'),
     (dict(decoder='autoregressive', tree='default'), 'apply to the drafting decoders'),
     (dict(batch_size=0), 'batch_size'),
+    (dict(max_new_tokens=0), 'max_new_tokens must be a positive integer, got 0'),
+    (dict(max_new_tokens=2.5), 'max_new_tokens must be a positive integer, got 2.5'),
     (dict(prompts=None), 'prompts must be a string or a list of strings'),
     (dict(temperature='0.5'), 'temperature must be >= 0 .* a finite number'),
     (dict(temperature=float('inf')), 'temperature must be >= 0 .* a finite number'),
