@@ -86,6 +86,9 @@ def test_generate_speculative_equals_autoregressive_greedy_across_batching(workd
   # One prompt as a string; the static default tree gives the same tokens.
   [one] = mtp.generate(workdir, PROMPTS[2], max_new_tokens=12, tree='default')
   assert one.tokens == ar[2].tokens
+  # A tree as the --tree flag's JSON text: a chain of 2 drafts.
+  [text] = mtp.generate(loaded, PROMPTS[2], max_new_tokens=12, tree='[[0], [0, 0]]', lookup=0)
+  assert text.tokens == ar[2].tokens and len(text.accepted_histogram) == 2 + 2
   # With a prompt-lookup chain beside the heads' drafts.
   lookup = mtp.generate(loaded, PROMPTS, max_new_tokens=12, lookup=5)
   assert [g.tokens for g in lookup] == [g.tokens for g in ar]
@@ -149,7 +152,8 @@ def test_generate_returns_the_models_logprobs(workdir):
     (dict(top_p=0.0), 'top_p'),
     (dict(decoder='beam'), 'decoder must be one of'),
     (dict(tree=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]), 'exceeds the number of MTP heads'),
-    (dict(tree='bushy'), 'tree must be one of'),
+    (dict(tree='bushy'), 'tree must be one of .* or JSON choices like'),
+    (dict(tree='[[0], [0,'), 'tree must be one of .* or JSON choices like'),
     (dict(decoder='autoregressive', tree='default'), 'apply to the drafting decoders'),
     (dict(batch_size=0), 'batch_size'),
     (dict(max_new_tokens=0), 'max_new_tokens must be a positive integer, got 0'),

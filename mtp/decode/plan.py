@@ -460,7 +460,7 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
     prompt_width: the widest padded prompt to decode (`padded_width`): sizes the cache.
     batch_size: rows decoded together (sizes measured trees and break-evens).
     tree: the heads' candidates: None (the decoder's default), a name of `trees.NAMES`, a
-      chain length, Medusa-style choices or a `trees.Tree`.
+      chain length, Medusa-style choices (or their JSON text) or a `trees.Tree`.
     tree_budget: nodes per step of a dynamic tree (`tree` is its superset).
     lookup: prompt-lookup drafts per step (None: the decoder's default; 0: none).
     draft_vocab: the heads draft over the N most frequent ids of the training data (None: the
@@ -506,9 +506,8 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
       raise ValueError(f'lookup (--lookup) must be at most {longest} drafts, got {lookup}')
   if tree_budget is not None and tree_budget != 0:
     _check_int('tree_budget', tree_budget, 2)
-  if isinstance(tree, str) and tree not in trees_lib.NAMES:
-    raise ValueError(f'tree must be one of {", ".join(trees_lib.NAMES)}, Medusa-style choices '
-                     f'or None, got {tree!r}')
+  if isinstance(tree, str):
+    tree = trees_lib.parse(tree)  # A name, or JSON rank paths as the --tree flag takes them.
   if emittable_ids is None:
     tokenizer = getattr(source, 'tokenizer', None)
     emittable_ids = (emittable(tokenizer, trunk.vocab_size) if tokenizer is not None
