@@ -98,14 +98,11 @@ def generate(loaded_or_workdir, prompts: str | Sequence[str], *, max_new_tokens:
   options = {k: v for k, v in options.items() if v is not None}  # None: the default.
   texts = _checked_texts(prompts)
   batch_size = _checked_batch_size(batch_size, len(texts))
-  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral)
-      or max_new_tokens < 1):  # Named as the caller named it (`Sampling` calls it max_tokens).
-    raise ValueError(f'max_new_tokens must be a positive integer, got {max_new_tokens!r}')
   steps_per_chunk = _steps_per_chunk(steps_per_chunk, decoder)
   tokenizer = loaded.tokenizer
   sampling = settings_lib.Sampling(
-      max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-      stop_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,))
+      max_tokens=_checked_max_new_tokens(max_new_tokens), temperature=temperature, top_k=top_k,
+      top_p=top_p, seed=seed, stop_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,))
   if isinstance(loaded, runtime.LoadedArtifact):
     return _generate_exported(loaded, texts, sampling, decoder, batch_size, on_text,
                               special_tokens, **options)
@@ -265,6 +262,13 @@ def _checked_texts(prompts) -> list[str]:
     if not text:
       raise ValueError(f'prompt {i} is empty: every prompt needs at least one token')
   return texts
+
+
+def _checked_max_new_tokens(value) -> int:
+  """`value`, or ValueError naming it as the caller did (`Sampling` calls it max_tokens)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError(f'max_new_tokens must be a positive integer, got {value!r}')
+  return value
 
 
 def _checked_batch_size(batch_size, num_prompts: int) -> int:
