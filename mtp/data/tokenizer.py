@@ -283,6 +283,16 @@ class Tokenizer:
     return f'Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})'
 
 
+def emittable(tokenizer, vocab_size: int) -> tuple[int | None, tuple[int, ...]]:
+  """(vocab_limit, banned_ids) for a model with `vocab_size` output ids: decoders emit only ids
+  the tokenizer decodes: not the output layer's spare ids past the tokenizer's vocabulary, nor
+  the pad id (unless it doubles as EOS, as in SmolLM2). vocab_limit is None where every id
+  decodes."""
+  limit = min(tokenizer.vocab_size, vocab_size)
+  banned = () if tokenizer.pad_id in (None, tokenizer.eos_id) else (int(tokenizer.pad_id),)
+  return (None if limit == vocab_size else int(limit)), banned
+
+
 def _read_optional(path: epath.Path) -> str | None:
   """The text of a file beside the tokenizer, None if there is none."""
   if not path.is_file():

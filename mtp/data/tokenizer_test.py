@@ -174,3 +174,11 @@ def test_special_token_strings_are_text_unless_asked(bpe):
   assert bpe.encode(text) == plain  # The shared tokenizer is untouched.
   byte = tokenizer_lib.byte_tokenizer()
   assert byte.encode('<bos>x', special=True) == [byte.bos_id] + byte.encode('x')
+
+
+def test_the_emittable_ids_rule():
+  """Decoders emit only ids the tokenizer decodes (`emittable`)."""
+  tok = tokenizer_lib.byte_tokenizer()
+  limit, banned = tokenizer_lib.emittable(tok, 264)
+  assert limit == tok.vocab_size and banned == (tok.pad_id,)
+  assert tokenizer_lib.emittable(tok, tok.vocab_size)[0] is None  # Every id decodes.

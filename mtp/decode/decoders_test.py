@@ -1,10 +1,9 @@
 """The decoder registry and the decode plan: which drafters each decoder mixes, the tree names,
-and the rules every caller shares (the emittable ids, prompt widths, the room for tokens)."""
+and the rules every caller shares (prompt widths, the room for tokens)."""
 
 import numpy as np
 import pytest
 
-from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import decoders
 from mtp.decode import plan
 from mtp.decode import testing as decode_testing
@@ -60,13 +59,6 @@ def test_the_tree_names_are_one_registry_read_by_one_parser():
   assert trees.static_tree('[[0], [0, 0]]', 2) == trees.chain_tree(2)
   with pytest.raises(ValueError, match='JSON choices'):
     trees.static_tree('bushy', 2)
-
-
-def test_the_emittable_ids_rule():
-  tok = tokenizer_lib.byte_tokenizer()
-  limit, banned = plan.emittable(tok, 264)
-  assert limit == tok.vocab_size and banned == (tok.pad_id,)
-  assert plan.emittable(tok, tok.vocab_size)[0] is None  # Every id decodes.
 
 
 def test_prompt_widths_and_room():

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.data import tokenizer as tokenizer_lib
+
 _CHUNK_TOKENS = 1 << 22  # Tokens per read when counting a streamed (prepared) dataset.
 
 
@@ -151,10 +153,9 @@ def corpus_draft_vocabulary(config, tokenizer, vocab_size: int, size: int, workd
   """[size] int32: the `size` most frequent ids of `config.data`'s training split, ids never
   emitted last (`draft_vocabulary`). Training (`mtp_head_draft_vocab`) and decoding count the
   same corpus, so heads trained on a draft vocabulary draft over the same ids."""
-  from mtp.decode import plan  # pylint: disable=import-outside-toplevel  # The emittable rule.
   check_size(size, vocab_size, name)
   counts = corpus_counts(config, tokenizer, vocab_size, workdir)
-  limit, banned = plan.emittable(tokenizer, vocab_size)
+  limit, banned = tokenizer_lib.emittable(tokenizer, vocab_size)
   return top_ids(counts, size, excluded=banned, limit=limit)
 
 

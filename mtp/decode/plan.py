@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import auto
 from mtp.decode import decoders
 from mtp.decode import draft_vocab as draft_vocab_lib
@@ -158,15 +159,6 @@ def _block(drafters: tuple[drafters_lib.Drafter, ...]) -> tuple[trees_lib.Tree, 
 # ------------------------------------------------------------------------------------------
 # Rules every caller shares.
 # ------------------------------------------------------------------------------------------
-
-
-def emittable(tokenizer, vocab_size: int) -> tuple[int | None, tuple[int, ...]]:
-  """(vocab_limit, banned_ids) for a model with `vocab_size` output ids: decoders emit only ids
-  the tokenizer decodes: not the output layer's spare ids past the tokenizer's vocabulary, nor
-  the pad id (unless it doubles as EOS, as in SmolLM2)."""
-  limit = min(tokenizer.vocab_size, vocab_size)
-  banned = () if tokenizer.pad_id in (None, tokenizer.eos_id) else (int(tokenizer.pad_id),)
-  return (None if limit == vocab_size else int(limit)), banned
 
 
 def padded_width(length: int) -> int:
@@ -510,8 +502,8 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
     tree = trees_lib.parse(tree)  # A name, or JSON rank paths as the --tree flag takes them.
   if emittable_ids is None:
     tokenizer = getattr(source, 'tokenizer', None)
-    emittable_ids = (emittable(tokenizer, trunk.vocab_size) if tokenizer is not None
-                     else (None, ()))
+    emittable_ids = (tokenizer_lib.emittable(tokenizer, trunk.vocab_size)
+                     if tokenizer is not None else (None, ()))
   vocab_limit, banned = emittable_ids
   options = Options(source=source, cfg=cfg, decoder=spec, tree=tree, tree_budget=tree_budget,
                     lookup=lookup, draft_vocab=draft_vocab, batch_size=batch_size,

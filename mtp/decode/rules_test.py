@@ -80,7 +80,7 @@ def test_each_shared_rule_is_written_once():
   code = list(_sources('mtp', 'launch', 'benchmarks', tests=False))
   # The ids decoders never emit: the pad id unless it doubles as EOS.
   assert not _hits(r'pad_id (in \(|!= tokenizer\.eos_id|== tokenizer\.eos_id)', code,
-                   allowed={'mtp/decode/plan.py'})
+                   allowed={'mtp/data/tokenizer.py'})
   # Why a row finished, and its name.
   assert not _hits(r"""['"](eos|length)['"] if|finish_reason = ['"]""", code)
   # The prompt width a prompt is padded to.

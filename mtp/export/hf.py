@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 from safetensors import numpy as safetensors_numpy
 
+from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import draft_vocab
 from mtp.export import ExportError
 from mtp.model import heads as heads_lib
@@ -150,10 +151,9 @@ def llama_config(cfg: transformer.TransformerConfig, special, dtype: np.dtype) -
 
 
 def suppressed_ids(tokenizer, vocab_size: int) -> list[int]:
-  """Ids mtp's decoders never emit (`decode.plan.emittable`, the one rule): the pad id unless
-  it doubles as eos, and output rows past the tokenizer's vocabulary."""
-  from mtp.decode import plan  # pylint: disable=import-outside-toplevel
-  limit, banned = plan.emittable(tokenizer, vocab_size)
+  """Ids mtp's decoders never emit (`data.tokenizer.emittable`, the one rule): the pad id
+  unless it doubles as eos, and output rows past the tokenizer's vocabulary."""
+  limit, banned = tokenizer_lib.emittable(tokenizer, vocab_size)
   return list(banned) + list(range(vocab_size if limit is None else limit, vocab_size))
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from mtp.checkpoint import fingerprint
+from mtp.data import tokenizer as tokenizer_lib
 from mtp.decode import loop
 from mtp.decode import plan as plan_lib
 from mtp.decode import settings as settings_lib
@@ -155,7 +156,7 @@ def write(loaded, directory: pathlib.Path, dtype: np.dtype, **options) -> dict[s
   (directory / 'config.json').write_text(json.dumps(config, indent=2, sort_keys=True,
                                                     default=list))
 
-  vocab_limit, banned = plan_lib.emittable(tokenizer, model.cfg.trunk.vocab_size)
+  vocab_limit, banned = tokenizer_lib.emittable(tokenizer, model.cfg.trunk.vocab_size)
   key_data = jax.random.key_data(jax.random.key(0))
   b, k = jax.export.symbolic_shape('b, k')
   # Prompts come padded to whole prefill chunks (`runtime.Program.run` pads them).
