@@ -15,9 +15,10 @@ expects, is named in a warning and measured again. Writes re-read the table firs
 process may have added entries) and replace the file atomically; a read-only cache is measured
 again next time instead of failing.
 
-A timing notes the CPU other processes used while it ran (`OtherWork`, as `OTHERS_CORES` in its
-entry): where that passes `BUSY_CORES`, it is used and kept, and measured again by the first
-process that finds it while the machine is quiet (`lookup`). Taking the fastest of several runs
+A timing notes the CPU other processes used, on the CPUs it may run on, while it ran
+(`OtherWork`, as `OTHERS_CORES` in its entry): where that passes `BUSY_CORES`, it is used and
+kept, and measured again by the first process that finds it while the machine is quiet
+(`lookup`). Taking the fastest of several runs
 does not undo sustained load, and one disturbed break-even, once cached, misjudged drafting in
 every later run on that machine.
 """
@@ -103,23 +104,40 @@ def disturbed(entry: Any) -> bool:
   return isinstance(cores, (int, float)) and cores > BUSY_CORES
 
 
-def _busy_cpu_seconds() -> float | None:
-  """CPU seconds every process has used since boot, steal time included (the hypervisor ran
-  other machines on ours), from Linux's /proc/stat; None where there is none."""
+_PROC_STAT = '/proc/stat'
+
+
+def _allowed_cpus() -> frozenset[int] | None:
+  """The CPUs this process may run on (XLA:CPU sizes its thread pool by them); None: unknown."""
   try:
-    with open('/proc/stat', encoding='ascii') as f:
-      fields = f.readline().split()
-    ticks = [int(v) for v in fields[1:9]]
+    return frozenset(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return None
+
+
+def _busy_cpu_seconds(cpus: frozenset[int] | None = None) -> float | None:
+  """CPU seconds that CPUs `cpus` (None: all) have been busy since boot, steal time included
+  (the hypervisor ran other machines on ours), from Linux's /proc/stat; None where it cannot
+  tell. Load on CPUs this process may not use does not slow it (a container's few cores on a
+  large host)."""
+  try:
+    with open(_PROC_STAT, encoding='ascii') as f:
+      lines = [line.split() for line in f if line.startswith('cpu')]
+    busy, found = 0, False
+    for fields in lines:
+      cpu = fields[0][3:]  # '' for the line that sums every CPU.
+      if (cpu == '') != (cpus is None) or (cpu and int(cpu) not in cpus) or len(fields) < 9:
+        continue
+      user, nice, system, _, _, irq, softirq, steal = map(int, fields[1:9])
+      busy, found = busy + user + nice + system + irq + softirq + steal, True
   except (OSError, ValueError):
     return None
-  if fields[:1] != ['cpu'] or len(ticks) < 8:
-    return None
-  user, nice, system, _, _, irq, softirq, steal = ticks
-  return (user + nice + system + irq + softirq + steal) / os.sysconf('SC_CLK_TCK')
+  return busy / os.sysconf('SC_CLK_TCK') if found else None
 
 
 class OtherWork:
-  """The CPU that processes other than this one use from its creation on.
+  """The CPU that processes other than this one use from its creation on, on the CPUs this one
+  may run on.
 
     watch = OtherWork()
     ...  # time something
@@ -127,12 +145,13 @@ class OtherWork:
   """
 
   def __init__(self):
-    self._start = (time.monotonic(), _busy_cpu_seconds(), time.process_time())
+    self._cpus = _allowed_cpus()
+    self._start = (time.monotonic(), _busy_cpu_seconds(self._cpus), time.process_time())
 
   def cores(self) -> float | None:
     """Other processes' average CPU use since creation, in cores (None: no /proc/stat)."""
     wall_start, busy_start, own_start = self._start
-    busy = _busy_cpu_seconds()
+    busy = _busy_cpu_seconds(self._cpus)
     wall = time.monotonic() - wall_start
     if busy is None or busy_start is None or wall <= 0:
       return None

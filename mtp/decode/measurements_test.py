@@ -1,6 +1,7 @@
 """The measurement cache's guard against timings taken under other work."""
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ def test_other_work_leaves_out_this_process_threads(monkeypatch):
   busy = iter([100.0, 103.0])  # CPU seconds of every process: 3 s in 2 s of wall time...
   own = iter([10.0, 12.5])  # ...of which this process used 2.5 s.
   wall = iter([50.0, 52.0])
-  monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda: next(busy))
+  monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda cpus: next(busy))
   monkeypatch.setattr(measurements.time, 'process_time', lambda: next(own))
   monkeypatch.setattr(measurements.time, 'monotonic', lambda: next(wall))
   assert measurements.OtherWork().cores() == pytest.approx(0.25)
@@ -48,11 +49,28 @@ def test_other_work_leaves_out_this_process_threads(monkeypatch):
 def test_machine_quiet_only_where_it_can_tell(monkeypatch):
   monkeypatch.undo()  # The real `machine_quiet`, not the conftest's busy machine.
   monkeypatch.setattr(measurements, 'QUIET_SAMPLE_SECONDS', 0.01)
-  monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda: 100.0)  # Nothing else runs.
+  monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda cpus: 100.0)  # Nothing else runs.
   assert measurements.machine_quiet()
-  monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda: None)  # No /proc/stat.
+  monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda cpus: None)  # No /proc/stat.
   assert measurements.OtherWork().cores() is None
   assert not measurements.machine_quiet()  # So nothing is measured again.
+
+
+def test_only_the_cpus_this_process_may_use_count(tmp_path, monkeypatch):
+  """Load on other CPUs does not slow this process (a container's cores on a larger host)."""
+  stat = tmp_path / 'stat'
+  stat.write_text('cpu  300 0 30 900 0 0 0 0 0 0\n'  # user nice system idle ... steal
+                  'cpu0 100 0 10 300 0 0 0 0 0 0\n'
+                  'cpu1 200 0 20 600 5 1 2 3 0 0\n'
+                  'intr 1 2 3\n')
+  monkeypatch.setattr(measurements, '_PROC_STAT', str(stat))
+  tick = os.sysconf('SC_CLK_TCK')
+  assert measurements._busy_cpu_seconds(None) == pytest.approx(330 / tick)
+  assert measurements._busy_cpu_seconds(frozenset({0})) == pytest.approx(110 / tick)
+  assert measurements._busy_cpu_seconds(frozenset({1})) == pytest.approx(226 / tick)  # Not iowait.
+  assert measurements._busy_cpu_seconds(frozenset({7})) is None  # Not listed: cannot tell.
+  stat.write_text('cpu0 1 2\n')
+  assert measurements._busy_cpu_seconds(frozenset({0})) is None
 
 
 def test_note_load_records_the_load_and_warns_when_disturbed(caplog):
