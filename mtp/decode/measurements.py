@@ -18,9 +18,8 @@ again next time instead of failing.
 A timing notes the CPU other processes used, on the CPUs it may run on, while it ran
 (`OtherWork`, as `OTHERS_CORES` in its entry): where that passes `BUSY_CORES`, it is used and
 kept, and measured again by the first process that finds it while the machine is quiet
-(`lookup`). Taking the fastest of several runs
-does not undo sustained load, and one disturbed break-even, once cached, misjudged drafting in
-every later run on that machine.
+(`lookup`). Taking the fastest of several runs does not undo sustained load, and one disturbed
+break-even, once cached, misjudged drafting in every later run on that machine.
 """
 
 from __future__ import annotations
