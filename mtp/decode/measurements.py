@@ -43,8 +43,12 @@ OTHERS_CORES = 'others_cores'
 # Other processes' average CPU use, in cores, beyond which a timing counts as disturbed. A quiet
 # 2-core machine here reads 0.00-0.01; one other process spinning reads 1.00.
 BUSY_CORES = 0.25
-# How long `machine_quiet` watches the machine.
+# How long `machine_quiet` watches the machine, and how long its verdict stands: each
+# `mtp.generate` call resolves its plan and looks up every break-even, so on a machine that stays
+# busy, a look per disturbed entry would add a second to every call.
 QUIET_SAMPLE_SECONDS = 0.25
+QUIET_VERDICT_SECONDS = 60.0
+_quiet_verdict: tuple[float, bool] | None = None  # (when, quiet) of the last look.
 
 
 def root() -> epath.Path:
@@ -160,11 +164,15 @@ class OtherWork:
 
 def machine_quiet() -> bool:
   """Whether other processes keep less than `BUSY_CORES` busy now (watched for
-  `QUIET_SAMPLE_SECONDS`; False where it cannot tell)."""
+  `QUIET_SAMPLE_SECONDS`, once per `QUIET_VERDICT_SECONDS`; False where it cannot tell)."""
+  global _quiet_verdict
+  if _quiet_verdict is not None and time.monotonic() - _quiet_verdict[0] < QUIET_VERDICT_SECONDS:
+    return _quiet_verdict[1]
   watch = OtherWork()
   time.sleep(QUIET_SAMPLE_SECONDS)
   cores = watch.cores()
-  return cores is not None and cores < BUSY_CORES
+  _quiet_verdict = (time.monotonic(), cores is not None and cores < BUSY_CORES)
+  return _quiet_verdict[1]
 
 
 def note_load(entry: dict, watch: OtherWork, what: str) -> dict:

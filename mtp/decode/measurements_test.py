@@ -22,6 +22,7 @@ class _FakeWatch:
 
 def test_other_work_counts_another_process_not_this_one(monkeypatch):
   monkeypatch.undo()  # The real `machine_quiet`, not the conftest's busy machine.
+  monkeypatch.setattr(measurements, '_quiet_verdict', None)
   spinner = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
   try:
     time.sleep(0.3)  # Started.
@@ -48,12 +49,28 @@ def test_other_work_leaves_out_this_process_threads(monkeypatch):
 
 def test_machine_quiet_only_where_it_can_tell(monkeypatch):
   monkeypatch.undo()  # The real `machine_quiet`, not the conftest's busy machine.
+  monkeypatch.setattr(measurements, '_quiet_verdict', None)
   monkeypatch.setattr(measurements, 'QUIET_SAMPLE_SECONDS', 0.01)
   monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda cpus: 100.0)  # Nothing else runs.
   assert measurements.machine_quiet()
+  monkeypatch.setattr(measurements, '_quiet_verdict', None)
   monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda cpus: None)  # No /proc/stat.
   assert measurements.OtherWork().cores() is None
   assert not measurements.machine_quiet()  # So nothing is measured again.
+
+
+def test_machine_quiet_looks_once_per_verdict(monkeypatch):
+  """Every `mtp.generate` call looks up every break-even: one look serves them a while."""
+  monkeypatch.undo()  # The real `machine_quiet`, not the conftest's busy machine.
+  monkeypatch.setattr(measurements, '_quiet_verdict', None)
+  monkeypatch.setattr(measurements, 'QUIET_SAMPLE_SECONDS', 0.01)
+  looks = []
+  monkeypatch.setattr(measurements, '_busy_cpu_seconds', lambda cpus: looks.append(1) or 100.0)
+  assert measurements.machine_quiet() and measurements.machine_quiet()
+  assert len(looks) == 2  # One watch: its start and its end.
+  monkeypatch.setattr(measurements, 'QUIET_VERDICT_SECONDS', 0.0)
+  assert measurements.machine_quiet()
+  assert len(looks) == 4
 
 
 def test_only_the_cpus_this_process_may_use_count(tmp_path, monkeypatch):
