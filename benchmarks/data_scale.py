@@ -62,6 +62,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  from mtp import plotting  # pylint: disable=import-outside-toplevel
   fig, ax = plt.subplots(figsize=(6, 4))
   for name in dict.fromkeys(r['run'] for r in rows):
     for kind in dict.fromkeys(r['kind'] for r in rows):
@@ -74,9 +75,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
   ax.set_ylabel('tokens per chain step (held-out, greedy)')
   ax.grid(alpha=0.3)
   ax.legend()
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
+  plotting.save(fig, path, dpi=120)
 
 
 def main(argv):

@@ -216,6 +216,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+  from mtp import plotting
   fig, axes = plt.subplots(len(results), 3, figsize=(16, 4.2 * len(results)), squeeze=False)
   for (ax_cost, ax_acc, ax_speed), result in zip(axes, results):
     title = f'{pathlib.Path(result["workdir"]).name} ({result["head_type"]})'
@@ -240,10 +241,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
       ax.axhline(1.0, color='k', lw=0.8)
       ax.set(ylabel=label, title=f'{title}: {label}')
       ax.legend(fontsize=8)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plotting.save(fig, path)
 
 
 def main(argv):

@@ -457,6 +457,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+  from mtp import plotting
   rows = result['rows']
   batch_sizes = sorted({r['batch_size'] for r in rows})
   names = list(dict.fromkeys(r['decoder'] for r in rows))
@@ -482,10 +483,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax.legend(fontsize=8)
   fig.suptitle(f'{pathlib.Path(result["gguf"]).name} in {result["dtype"]} on '
                f'{result["threads"]} CPU threads: mtp vs transformers', fontsize=10)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plotting.save(fig, path)
 
 
 # ------------------------------------------------------------------------------------------

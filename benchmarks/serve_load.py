@@ -226,6 +226,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+  from mtp import plotting
   fig, (ax_tps, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.2))
   kinds = list(dict.fromkeys(r['settings'] for r in result['rows']))
   decoders = list(dict.fromkeys(r['decoder'] for r in result['rows']))
@@ -248,10 +249,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
              'tokens per identical request)')
   for ax in (ax_tps, ax_lat):
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plotting.save(fig, path)
 
 
 def main(argv):

@@ -82,6 +82,7 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+  from mtp import plotting
   train = [r for r in records if 'loss' in r]
   if not train:
     return
@@ -104,9 +105,7 @@ def plot_learning_curve(records: list[dict], num_heads: int, path: pathlib.Path)
     ax_acc.plot(steps, [r[f'head_{k}_acc'] for r in train], label=f'head {k}', alpha=0.7)
   ax_acc.set(xlabel='step', ylabel='top-1 accuracy', title='Accuracy (train)')
   ax_acc.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plotting.save(fig, path)
 
 
 def heldout_prompts(loaded, kind: str, num_prompts: int, max_new_tokens: int,

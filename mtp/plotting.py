@@ -37,6 +37,17 @@ def hardware() -> str:
   return f'{count}x {device.device_kind}' if count > 1 else device.device_kind
 
 
+def save(fig, path, dpi: int = 110) -> None:
+  """Lays `fig` out, writes it to `path` (a .png; its folder is made) and closes it: a script
+  that draws many figures keeps none of them in memory."""
+  import pathlib
+  path = pathlib.Path(path)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=dpi)
+  _pyplot().close(fig)
+
+
 def learning_curves(records: Sequence[Mapping], num_heads: int, title: str):
   """Loss and top-1 accuracy per step: the next token and each head (train), and validation.
 

@@ -55,3 +55,13 @@ def test_tree_picture_draws_every_node_with_lookup():
   (ax,) = fig.axes
   assert len(ax.texts) == tree.num_nodes
   assert len(ax.lines) == tree.num_nodes - 1
+
+
+def test_save_writes_into_a_new_folder_and_closes_the_figure(tmp_path):
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig = plotting.speed_bars(['autoregressive', 'auto'], [10.0, 15.0], [1.0, 2.0], 'tiny on CPU',
+                            baseline='autoregressive')
+  path = tmp_path / 'figures' / 'speed.png'
+  plotting.save(fig, path)
+  assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert fig.number not in plt.get_fignums()  # A script drawing many keeps none open.
