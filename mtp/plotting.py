@@ -7,6 +7,7 @@ model, so any caller can plot what it measured.
 
 from __future__ import annotations
 
+import pathlib
 import textwrap
 from typing import Mapping, Sequence
 
@@ -40,7 +41,6 @@ def hardware() -> str:
 def save(fig, path, dpi: int = 110) -> None:
   """Lays `fig` out, writes it to `path` (a .png; its folder is made) and closes it: a script
   that draws many figures keeps none of them in memory."""
-  import pathlib
   path = pathlib.Path(path)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
