@@ -135,21 +135,23 @@ def _drafted_tree(num_nodes: int, num_heads: int) -> trees_lib.Tree:
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'num_tokens', 'batch_size',
-                                             'context', 'iterations', 'drafting'))
+                                             'context', 'iterations', 'drafting', 'block'))
 def _timed_loop(graphdef, params, vocab_ids=None, *, num_tokens: int, batch_size: int,
-                context: int, iterations: int, drafting: bool = False):
-  """`iterations` steps over a tree of num_tokens nodes after `context` committed slots: its
-  verification pass and every node's logits; with `drafting` (and T > 1), the rest of a
-  drafting step as the decode loop runs it (`loop._drafting_step`) on a tree shaped as the
-  heads' (`_drafted_tree`, not `_binary_tree`): a branching tree's accepted entries moved into
-  place, then the heads drafting every node from the accepted run (`MTPModel.draft_tree`,
-  over the ids `vocab_ids` [N], or the whole vocabulary where None); every step accepts the
-  tree's first deepest path. With `drafting`, T = 1 is the loop's one-token step, which runs
-  no heads."""
+                context: int, iterations: int, drafting: bool = False,
+                block: trees_lib.Tree | None = None):
+  """`iterations` steps over a tree of num_tokens nodes (`block`, if given, else a binary
+  tree) after `context` committed slots: its verification pass and every node's logits; with
+  `drafting` (and T > 1), the rest of a drafting step as the decode loop runs it
+  (`loop._drafting_step`) on a tree shaped as the heads' (`_drafted_tree`, not
+  `_binary_tree`): a branching tree's accepted entries moved into place, then the heads
+  drafting every node from the accepted run (`MTPModel.draft_tree`, over the ids `vocab_ids`
+  [N], or the whole vocabulary where None); every step accepts the tree's first deepest path.
+  With `drafting`, T = 1 is the loop's one-token step, which runs no heads."""
   model = nnx.merge(graphdef, params)
   b = batch_size
   drafts = drafting and num_tokens > 1
-  tree = _drafted_tree(num_tokens, model.mtp_num_heads) if drafts else _binary_tree(num_tokens)
+  tree = _drafted_tree(num_tokens, model.mtp_num_heads) if drafts else (
+      block or _binary_tree(num_tokens))
   depth = tree.max_depth
   cache = model.init_cache(b, context + num_tokens + depth + 1)
   lengths = jnp.full((b,), context, jnp.int32)
@@ -185,10 +187,11 @@ def _timed_loop(graphdef, params, vocab_ids=None, *, num_tokens: int, batch_size
 
 def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, *,
                       batch_size: int = 1, drafting: bool = False, draft_vocab_size: int = 0,
-                      context: int = 256, iterations: int = 16,
-                      repeats: int = 5) -> dict[int, float]:
-  """Seconds per cached verification step over a tree of T new tokens (`_binary_tree`), for each
-  T in token_counts; with `drafting`, per whole drafting step (`_timed_loop`).
+                      context: int = 256, iterations: int = 16, repeats: int = 5,
+                      blocks: Mapping[int, trees_lib.Tree] | None = None) -> dict[int, float]:
+  """Seconds per cached verification step over a tree of T new tokens (`_binary_tree`, or
+  `blocks[T]`), for each T in token_counts; with `drafting`, per whole drafting step
+  (`_timed_loop`).
 
   Args:
     model: an `MTPModel`.
@@ -201,6 +204,8 @@ def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
     context: committed cache slots each new token attends to (capped by max_seq_len).
     iterations: steps per compiled loop (dispatch is paid once per loop).
     repeats: timed loops per T; the fastest counts (least disturbed by other work).
+    blocks: {T: a tree of T nodes} to time instead of a binary tree, without `drafting` (a
+      decoder's own block: `benchmarks.loop_steps`).
 
   Returns:
     {T: seconds per step}.
@@ -209,6 +214,10 @@ def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
     raise ValueError(f'token_counts must be positive, got {token_counts}')
   if drafting and model.mtp_num_heads == 0:
     raise ValueError('a model without MTP heads has no drafting step to time')
+  blocks = dict(blocks or {})
+  if (drafting and blocks) or any(tree.num_nodes != t for t, tree in blocks.items()):
+    raise ValueError('blocks must map T to a tree of T nodes, without drafting, got '
+                     f'{ {t: tree.num_nodes for t, tree in blocks.items()} }')
   room = max(token_counts) * (2 if drafting else 1)  # Drafting writes past the tree.
   context = max(1, min(context, model.cfg.trunk.max_seq_len - room))
   if state_lib.fuse_by_default(model):  # Decoding's layout (`state.PreparedModel`).
@@ -220,7 +229,7 @@ def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   for t in sorted(set(int(t) for t in token_counts)):
     runs[t] = functools.partial(_timed_loop, graphdef, params, vocab_ids, num_tokens=t,
                                 batch_size=batch_size, context=context, iterations=iterations,
-                                drafting=drafting)
+                                drafting=drafting, block=blocks.get(t))
     jax.block_until_ready(runs[t]())  # Compile and warm up.
   # Round by round, every T once a round: a slower stretch of the machine then slows every T
   # alike instead of the few timed in it. (Timed T after T, two measurements of one model's

@@ -5,6 +5,7 @@ import pytest
 
 from mtp.decode import cost_model
 from mtp.decode import measurements
+from mtp.decode import trees
 from mtp.model import testing
 
 ACCURACIES = [[0.7, 0.1, 0.05], [0.6, 0.1, 0.05], [0.5, 0.1, 0.05]]
@@ -176,3 +177,13 @@ def test_a_curve_that_falls_is_measured_again_and_never_kept_falling(tmp_path, m
   measurements.store('step_cost.json', key, entry)
   runs = [quiet]
   assert cost_model.step_cost(model, token_counts=(2, 4, 8)) == pytest.approx(quiet)
+
+
+def test_a_given_block_is_timed_in_place_of_a_binary_tree_and_must_match_its_size():
+  model = testing.tiny_model()
+  chain = trees.chain_tree(3)
+  costs = cost_model.measure_step_cost(model, [1, 4], blocks={4: chain}, context=8,
+                                       iterations=2, repeats=1)
+  assert set(costs) == {1, 4} and all(c > 0 for c in costs.values())
+  with pytest.raises(ValueError, match='blocks must map T to a tree of T nodes'):
+    cost_model.measure_step_cost(model, [1, 3], blocks={3: chain}, context=8, repeats=1)
