@@ -43,7 +43,7 @@ flags.DEFINE_string('output', 'results/loop_steps.json', 'JSON results.')
 
 def measure_batch(loaded, prompts: list[str], batch_size: int) -> list[dict]:
   """One row per kind of step of the `auto` engine at `batch_size`: ms on the decode loop and
-  on the isolated pass over as many tokens."""
+  of the same block's verification pass alone."""
   from mtp.decode import cost_model
   from mtp.decode import plan as plan_lib
   from mtp.decode import state as state_lib

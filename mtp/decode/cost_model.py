@@ -151,7 +151,7 @@ def _timed_loop(graphdef, params, vocab_ids=None, *, num_tokens: int, batch_size
   b = batch_size
   drafts = drafting and num_tokens > 1
   tree = _drafted_tree(num_tokens, model.mtp_num_heads) if drafts else (
-      block or _binary_tree(num_tokens))
+      _binary_tree(num_tokens) if block is None else block)
   depth = tree.max_depth
   cache = model.init_cache(b, context + num_tokens + depth + 1)
   lengths = jnp.full((b,), context, jnp.int32)
