@@ -50,8 +50,9 @@ _CPU_FEATURES = ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')
 # Bumped when decoding's steps change what they cost, so that curves and break-evens measured
 # before (`step_cost`, `auto.break_even`) are measured again: 2, the KV cache laid out
 # [B, G, S, d] (2026-12-05); 3, trees verified in attention order (`verification`); 4, cache
-# chunks read as rows (`kv_cache._chunk`: one-token steps cheaper at batch 4).
-STEPS_VERSION = 4
+# chunks read as rows (`kv_cache._chunk`: one-token steps cheaper at batch 4); 5, a tree's
+# committed chunks read outside the per-chunk choice of `kv_cache.attend` (trees cheaper).
+STEPS_VERSION = 5
 
 
 @functools.cache
