@@ -18,6 +18,9 @@ COMPILE_FAST_XLA_FLAGS = ('--xla_backend_optimization_level=0 '
 os.environ.setdefault('XLA_FLAGS',
                       f'--xla_force_host_platform_device_count=8 {COMPILE_FAST_XLA_FLAGS}')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Each op's location in a lowered program holds one frame, not its whole Python traceback:
+# lowering 27% and XLA's compile 15% faster (api and eagle_tree tests, 118 s against 109 s).
+os.environ.setdefault('JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS', 'false')
 # Many tests compile the same small programs; a persistent cache shared by the session, its xdist
 # workers and the processes they start compiles each once.
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
@@ -25,8 +28,11 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 # Measurements (break-evens, accuracies, token counts) and corpora of this session: tests never
-# read a user's ~/.cache/mtp, and xdist workers (which inherit the variable) share one.
-os.environ.setdefault('MTP_CACHE_DIR', tempfile.mkdtemp(prefix='mtp-test-cache-'))
+# read a user's ~/.cache/mtp, and xdist workers (which inherit the variable) share one, which
+# the session that made it removes at its end.
+_SESSION_CACHE_DIR = None
+if 'MTP_CACHE_DIR' not in os.environ:
+  _SESSION_CACHE_DIR = os.environ['MTP_CACHE_DIR'] = tempfile.mkdtemp(prefix='mtp-test-cache-')
 
 # Before gcsfs is first imported, which reads it: see tests/gcs_emulator.py.
 os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
@@ -36,6 +42,7 @@ os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
 # test module gets the flags of the entry points it imported: the others' are dropped before it
 # is imported (collection) and before its tests run, when its entry points are imported again.
 import importlib  # noqa: E402
+import shutil  # noqa: E402
 import types  # noqa: E402
 
 import pytest  # noqa: E402
@@ -69,6 +76,12 @@ def pytest_runtest_setup(item):
     _drop_entry_point_flags()
     for entry_point in entry_points:
       importlib.reload(entry_point)
+
+
+def pytest_unconfigure(config):
+  del config
+  if _SESSION_CACHE_DIR is not None:
+    shutil.rmtree(_SESSION_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
