@@ -1,8 +1,13 @@
-"""Test helpers for processes a test starts: their environment."""
+"""Test helpers: the environment of processes a test starts, and what a test session builds
+once for all its processes."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pathlib
+import shutil
+from typing import Callable
 
 _DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
@@ -22,3 +27,21 @@ def child_env(devices: int | None = None, **variables: str) -> dict[str, str]:
   else:
     env.pop('XLA_FLAGS', None)
   return env
+
+
+def built_once(name: str, build: Callable[[pathlib.Path], object]) -> pathlib.Path:
+  """The folder `name` in this test session's cache (`MTP_CACHE_DIR`, which conftest.py gives
+  the session and its xdist workers), made by `build(folder)` once: the first process to ask
+  builds it while the others wait, then all read it. What each worker would otherwise build
+  again (an imported model, a reference loaded the slow way) is built once a session."""
+  root = pathlib.Path(os.environ['MTP_CACHE_DIR']) / 'built'
+  root.mkdir(parents=True, exist_ok=True)
+  folder, done = root / name, root / f'{name}.done'
+  # Not `{name}.lock`: a workdir's writers lock that file (`workdir_lock`).
+  with open(root / f'{name}.building', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # Released as the file closes, or its process dies.
+    if not done.exists():
+      shutil.rmtree(folder, ignore_errors=True)  # Left by a process that died building it.
+      build(folder)
+      done.touch()
+  return folder

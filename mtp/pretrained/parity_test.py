@@ -14,6 +14,7 @@ Needs the `peer` extra (torch, transformers) and the SmolLM2 file (fetched from 
 cached in ~/.cache/mtp); skipped otherwise.
 """
 
+import functools
 import pathlib
 import re
 import sysconfig
@@ -25,6 +26,7 @@ import pytest
 from flax import nnx
 
 import mtp
+from mtp import testing as mtp_testing
 from mtp.pretrained import smollm2
 from mtp.pretrained import workdir as workdir_lib
 
@@ -47,10 +49,24 @@ def gguf_path() -> pathlib.Path:
     pytest.skip(f'SmolLM2 GGUF not available: {e}')
 
 
+# Both sides are built once a session (`built_once`), not once in each xdist worker that runs
+# a test of this module: transformers reads the GGUF file in about 20 s, mtp in about 10 s.
+
+
 @pytest.fixture(scope='module')
-def ours(gguf_path, tmp_path_factory):
-  workdir = workdir_lib.import_weights(gguf_path, tmp_path_factory.mktemp('smollm2') / 'w')
-  return mtp.load(workdir)
+def ours(gguf_path):
+  return mtp.load(mtp_testing.built_once(
+      'parity-smollm2', lambda folder: workdir_lib.import_weights(gguf_path, folder)))
+
+
+def _read_the_gguf_file(gguf_path: pathlib.Path, folder: pathlib.Path) -> None:
+  """transformers' model and tokenizer from the GGUF file, saved as they are (the model
+  pickled whole: transformers saves no model it read from a GGUF file)."""
+  where = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
+  folder.mkdir(parents=True)
+  torch.save(transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32),
+             folder / 'model.pt')
+  transformers.AutoTokenizer.from_pretrained(**where).save_pretrained(folder)
 
 
 @pytest.fixture(scope='module')
@@ -59,11 +75,10 @@ def reference(gguf_path):
   # slower (measured), and JAX's threads share the same cores.
   threads = torch.get_num_threads()
   torch.set_num_threads(1)
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-  tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
-                                                         gguf_file=gguf_path.name)
-  yield model.eval(), tokenizer
+  folder = mtp_testing.built_once('parity-smollm2-transformers',
+                                  functools.partial(_read_the_gguf_file, gguf_path))
+  model = torch.load(folder / 'model.pt', weights_only=False)
+  yield model.eval(), transformers.AutoTokenizer.from_pretrained(str(folder))
   torch.set_num_threads(threads)
 
 
