@@ -49,23 +49,25 @@ def test_each_nodes_children_are_the_drafter_on_its_own_path(name):
   last = np.array([6, 3])  # Index last + 1 holds the token the trunk chose: the tree's root.
   drafts = jax.tree.map(np.asarray, _drafts(model, tokens, last, TREE))
   assert drafts.tokens.shape == drafts.scores.shape == (2, TREE.num_nodes)
-  for row in range(2):
-    position = int(last[row])
-    for node in range(TREE.num_nodes):
-      children = np.nonzero(TREE.parent == node)[0]
-      if not children.size:
-        continue
-      depth = int(TREE.depth[node])
-      path = TREE.node_paths[node][1:depth + 1]
-      text = np.concatenate([tokens[row, :position + 2], drafts.tokens[row, path]])[None]
-      logits = model.logits(model(jnp.asarray(text), _positions(1, text.shape[1])))
-      log_q = np.asarray(jax.nn.log_softmax(logits[depth + 1, 0, position]))
-      ranked = np.argsort(-log_q, kind='stable')
-      np.testing.assert_array_equal(drafts.tokens[row, children],
-                                    ranked[TREE.rank[children]], err_msg=f'node {node}')
-      np.testing.assert_allclose(drafts.scores[row, children],
-                                 drafts.scores[row, node] + log_q[drafts.tokens[row, children]],
-                                 atol=2e-4, err_msg=f'node {node}')
+  expanded = [(row, node) for row in range(2) for node in range(TREE.num_nodes)
+              if np.any(TREE.parent == node)]
+  texts = []
+  for row, node in expanded:
+    path = TREE.node_paths[node][1:int(TREE.depth[node]) + 1]
+    texts.append(np.concatenate([tokens[row, :last[row] + 2], drafts.tokens[row, path]]))
+  # Every node's text in one forward, padded at its end: no position reads a later one.
+  width = max(len(text) for text in texts)
+  texts = jnp.asarray(np.stack([np.pad(text, (0, width - len(text))) for text in texts]))
+  log_qs = np.asarray(jax.nn.log_softmax(model.logits(model(texts, _positions(*texts.shape)))))
+  for i, (row, node) in enumerate(expanded):
+    children = np.nonzero(TREE.parent == node)[0]
+    log_q = log_qs[int(TREE.depth[node]) + 1, i, last[row]]
+    ranked = np.argsort(-log_q, kind='stable')
+    np.testing.assert_array_equal(drafts.tokens[row, children],
+                                  ranked[TREE.rank[children]], err_msg=f'node {node}')
+    np.testing.assert_allclose(drafts.scores[row, children],
+                               drafts.scores[row, node] + log_q[drafts.tokens[row, children]],
+                               atol=2e-4, err_msg=f'node {node}')
   # Second-ranked branches got children of their own, not the top-1 path's.
   node = {path: i + 1 for i, path in enumerate(TREE.choices)}
 
