@@ -27,12 +27,15 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
                       os.path.join(tempfile.gettempdir(), 'mtp-test-jax-cache'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
-# Measurements (break-evens, accuracies, token counts) and corpora of this session: tests never
-# read a user's ~/.cache/mtp, and xdist workers (which inherit the variable) share one, which
-# the session that made it removes at its end.
-_SESSION_CACHE_DIR = None
-if 'MTP_CACHE_DIR' not in os.environ:
-  _SESSION_CACHE_DIR = os.environ['MTP_CACHE_DIR'] = tempfile.mkdtemp(prefix='mtp-test-cache-')
+# A folder of this session's own, which its xdist workers (inheriting the variable) share and
+# the session removes at its end: what it builds once (`mtp.testing.built_once`) and, unless
+# MTP_CACHE_DIR names another, its measurements (break-evens, accuracies, token counts) and
+# corpora. Tests never read a user's ~/.cache/mtp.
+_SESSION_DIR = None
+if 'MTP_TEST_SESSION_DIR' not in os.environ:
+  _SESSION_DIR = os.environ['MTP_TEST_SESSION_DIR'] = tempfile.mkdtemp(prefix='mtp-test-')
+os.environ.setdefault('MTP_CACHE_DIR', os.path.join(os.environ['MTP_TEST_SESSION_DIR'], 'cache'))
+os.makedirs(os.environ['MTP_CACHE_DIR'], exist_ok=True)
 
 # Before gcsfs is first imported, which reads it: see tests/gcs_emulator.py.
 os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
@@ -80,8 +83,8 @@ def pytest_runtest_setup(item):
 
 def pytest_unconfigure(config):
   del config
-  if _SESSION_CACHE_DIR is not None:
-    shutil.rmtree(_SESSION_CACHE_DIR, ignore_errors=True)
+  if _SESSION_DIR is not None:
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')

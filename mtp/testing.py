@@ -30,11 +30,12 @@ def child_env(devices: int | None = None, **variables: str) -> dict[str, str]:
 
 
 def built_once(name: str, build: Callable[[pathlib.Path], object]) -> pathlib.Path:
-  """The folder `name` in this test session's cache (`MTP_CACHE_DIR`, which conftest.py gives
-  the session and its xdist workers), made by `build(folder)` once: the first process to ask
-  builds it while the others wait, then all read it. What each worker would otherwise build
-  again (an imported model, a reference loaded the slow way) is built once a session."""
-  root = pathlib.Path(os.environ['MTP_CACHE_DIR']) / 'built'
+  """The folder `name` in this test session's folder (`MTP_TEST_SESSION_DIR`, which conftest.py
+  makes for the session and its xdist workers and removes at its end), made by `build(folder)`
+  once: the first process to ask builds it while the others wait, then all read it. What each
+  worker would otherwise build again (an imported model, a reference loaded the slow way) is
+  built once a session, and never read by the next one."""
+  root = pathlib.Path(os.environ['MTP_TEST_SESSION_DIR']) / 'built'
   root.mkdir(parents=True, exist_ok=True)
   folder, done = root / name, root / f'{name}.done'
   # Not `{name}.lock`: a workdir's writers lock that file (`workdir_lock`).

@@ -23,7 +23,7 @@ def test_a_child_of_a_session_with_only_a_device_count_gets_no_flags(monkeypatch
 
 
 def test_a_folder_is_built_once_and_a_half_built_one_again(tmp_path, monkeypatch):
-  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  monkeypatch.setenv('MTP_TEST_SESSION_DIR', str(tmp_path))
   builds = []
 
   def build(folder):
@@ -45,11 +45,11 @@ def test_processes_asking_at_once_wait_for_one_build(tmp_path):
             '  time.sleep(1)\n'
             '  with open(sys.argv[1], "a") as log: log.write("built\\n")\n'
             'print(testing.built_once("thing", build))\n')
-  env = testing.child_env(MTP_CACHE_DIR=str(tmp_path / 'cache'))
+  env = testing.child_env(MTP_TEST_SESSION_DIR=str(tmp_path / 'session'))
   log = tmp_path / 'log'
   procs = [subprocess.Popen([sys.executable, '-c', script, str(log)], env=env,
                             stdout=subprocess.PIPE, text=True) for _ in range(3)]
   outputs = {p.communicate(timeout=60)[0].strip() for p in procs}
   assert all(p.returncode == 0 for p in procs)
-  assert outputs == {str(tmp_path / 'cache' / 'built' / 'thing')}
+  assert outputs == {str(tmp_path / 'session' / 'built' / 'thing')}
   assert log.read_text() == 'built\n'
