@@ -38,7 +38,7 @@ def test_a_folder_is_built_once_and_a_half_built_one_again(tmp_path, monkeypatch
 
 
 def test_processes_asking_at_once_wait_for_one_build(tmp_path):
-  script = ('import pathlib, sys, time\n'
+  script = ('import sys, time\n'
             'from mtp import testing\n'
             'def build(folder):\n'
             '  folder.mkdir()\n'
