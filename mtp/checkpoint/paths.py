@@ -18,6 +18,9 @@ import threading
 
 from etils import epath
 
+from mtp.checkpoint import host_cache
+from mtp.checkpoint.host_cache import is_url
+
 # Copies stream in pieces of this size: a shard of gigabytes never sits in memory whole.
 _COPY_BYTES = 16 * 2**20
 
@@ -42,11 +45,6 @@ _no_listings_cache()
 
 # A URL's scheme (`gs://`, `s3://`, `http://`): RFC 3986's letters, digits, `+`, `-` and `.`.
 _SCHEME = re.compile(r'^([a-zA-Z][a-zA-Z0-9+.-]*)://')
-
-
-def is_url(path: str | os.PathLike) -> bool:
-  """A path on an object store (`gs://`, `s3://`, ...), not on a local file system."""
-  return '://' in os.fspath(path)
 
 
 def scheme(path: str | os.PathLike) -> str:
@@ -148,9 +146,6 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
   write_atomically(path, text)
 
 
-_DEFAULT_CACHE = os.path.join('~', '.cache', 'mtp')
-
-
 def cache_root() -> epath.Path:
   """The directory of caches: `$MTP_CACHE_DIR`, default ~/.cache/mtp.
 
@@ -158,15 +153,13 @@ def cache_root() -> epath.Path:
   through epath) are then shared by every host that sets it, measured once per device kind.
   What must be on this host's disk goes under `host_cache_root()`.
   """
-  return epath.Path(os.environ.get('MTP_CACHE_DIR') or os.path.expanduser(_DEFAULT_CACHE))
+  return epath.Path(os.environ.get('MTP_CACHE_DIR')
+                    or os.path.expanduser(host_cache.DEFAULT_ROOT))
 
 
 def host_cache_root() -> pathlib.Path:
-  """The directory of this host's caches, written with local file APIs (the standard
-  library's corpora, token arrays, local copies of remote files, staging directories):
-  `$MTP_CACHE_DIR` when it is a local path, else ~/.cache/mtp."""
-  root = os.environ.get('MTP_CACHE_DIR')
-  return pathlib.Path(root if root and not is_url(root) else os.path.expanduser(_DEFAULT_CACHE))
+  """`host_cache.root()`: this host's caches, `$MTP_CACHE_DIR` when local, else ~/.cache/mtp."""
+  return host_cache.root()
 
 
 def _flat(url: str | os.PathLike) -> str:
