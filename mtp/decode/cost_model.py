@@ -20,12 +20,13 @@ to dozens of tokens), so the default tree size is chosen from a measured curve:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import pathlib
 import platform
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -211,6 +212,18 @@ def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   Returns:
     {T: seconds per step}.
   """
+  return step_timer(model, token_counts, batch_size=batch_size, drafting=drafting,
+                    draft_vocab_size=draft_vocab_size, context=context, iterations=iterations,
+                    repeats=repeats, blocks=blocks)()
+
+
+def step_timer(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, *,
+               batch_size: int = 1, drafting: bool = False, draft_vocab_size: int = 0,
+               context: int = 256, iterations: int = 16, repeats: int = 5,
+               blocks: Mapping[int, trees_lib.Tree] | None = None
+               ) -> Callable[[], dict[int, float]]:
+  """`measure_step_cost` (the same arguments) as a function that times its programs, compiled
+  here once: each call times them all again, {T: seconds per step}."""
   if not token_counts or min(token_counts) < 1:
     raise ValueError(f'token_counts must be positive, got {token_counts}')
   if drafting and model.mtp_num_heads == 0:
@@ -226,22 +239,38 @@ def measure_step_cost(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   graphdef, params = nnx.split(model)
   vocab_ids = (jnp.arange(draft_vocab_size, dtype=jnp.int32)
                if drafting and draft_vocab_size else None)
-  runs = {}
-  for t in sorted(set(int(t) for t in token_counts)):
-    runs[t] = functools.partial(_timed_loop, graphdef, params, vocab_ids, num_tokens=t,
-                                batch_size=batch_size, context=context, iterations=iterations,
-                                drafting=drafting, block=blocks.get(t))
-    jax.block_until_ready(runs[t]())  # Compile and warm up.
-  # Round by round, every T once a round: a slower stretch of the machine then slows every T
-  # alike instead of the few timed in it. (Timed T after T, two measurements of one model's
-  # curve read 1.74 and 1.97 at T = 16, and `choose_tree` picked different trees from them.)
-  best = dict.fromkeys(runs, float('inf'))
-  for _ in range(repeats):
-    for t, run in runs.items():
-      start = time.perf_counter()
-      jax.block_until_ready(run())
-      best[t] = min(best[t], time.perf_counter() - start)
-  return {t: seconds / iterations for t, seconds in best.items()}
+  counts = sorted(set(int(t) for t in token_counts))
+  # Ahead of time: jit would lower each program only when the one before had compiled.
+  compiled = compile_side_by_side(
+      _timed_loop.lower(graphdef, params, vocab_ids, num_tokens=t, batch_size=batch_size,
+                        context=context, iterations=iterations, drafting=drafting,
+                        block=blocks.get(t)) for t in counts)
+  runs = {t: functools.partial(program, params, vocab_ids)
+          for t, program in zip(counts, compiled)}
+
+  def time_rounds() -> dict[int, float]:
+    # Round by round, every T once a round: a slower stretch of the machine then slows every
+    # T alike instead of the few timed in it. (Timed T after T, two measurements of one
+    # model's curve read 1.74 and 1.97 at T = 16, and `choose_tree` picked different trees
+    # from them.) The first round also warms up: a slower first run never counts.
+    best = dict.fromkeys(runs, float('inf'))
+    for _ in range(repeats):
+      for t, run in runs.items():
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        best[t] = min(best[t], time.perf_counter() - start)
+    return {t: seconds / iterations for t, seconds in best.items()}
+  return time_rounds
+
+
+def compile_side_by_side(lowered: Iterable[jax.stages.Lowered]) -> list[jax.stages.Compiled]:
+  """Each program compiled, several at once (one per CPU this process may use), the next
+  lowered meanwhile where `lowered` is a generator: XLA compiles a program on few threads, and
+  lowering holds the interpreter. SmolLM2's drafting steps in bfloat16 at T = 1..32 lowered and
+  compiled in 38 s so on 2 cores, against 47 s compiling one at a time."""
+  cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  with concurrent.futures.ThreadPoolExecutor(max(1, cpus or 1)) as pool:
+    return [job.result() for job in [pool.submit(program.compile) for program in lowered]]
 
 
 # A curve may fall by this fraction from one T to a larger one before it counts as disturbed
@@ -299,9 +328,8 @@ def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   cached = None if refresh else measurements.lookup(_TABLE, key, valid)
   if cached is not None:
     return {int(t): float(c) for t, c in cached['relative'].items()}
-  measure = functools.partial(measure_step_cost, model, token_counts, batch_size=batch_size,
-                              drafting=drafting, draft_vocab_size=draft_vocab_size,
-                              **measure_kwargs)
+  measure = step_timer(model, token_counts, batch_size=batch_size, drafting=drafting,
+                       draft_vocab_size=draft_vocab_size, **measure_kwargs)
   watch = measurements.OtherWork()
   seconds = measure()
   # A curve that falls was disturbed (other work on the machine slowed some T more than

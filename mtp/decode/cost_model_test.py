@@ -23,7 +23,7 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
   def fail(*args, **kwargs):
     raise AssertionError('measured again')
 
-  monkeypatch.setattr(cost_model, 'measure_step_cost', fail)
+  monkeypatch.setattr(cost_model, 'step_timer', fail)
   assert cost_model.step_cost(model, token_counts=(4,)) == curve
   # Another model shape is another entry.
   with pytest.raises(AssertionError, match='measured again'):
@@ -35,16 +35,16 @@ def test_a_curve_timed_under_load_is_measured_again_once_quiet(tmp_path, monkeyp
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   measured = []
 
-  def measure(model, counts, **kwargs):
+  def timer(model, counts, **kwargs):
     measured.append(counts)
-    return {t: 1e-3 * t for t in counts}
+    return lambda: {t: 1e-3 * t for t in counts}
 
   class Busy:
 
     def cores(self):
       return 1.5
 
-  monkeypatch.setattr(cost_model, 'measure_step_cost', measure)
+  monkeypatch.setattr(cost_model, 'step_timer', timer)
   monkeypatch.setattr(measurements, 'OtherWork', Busy)
   model = testing.tiny_model(0)
   cost_model.step_cost(model, token_counts=(2,))
@@ -59,8 +59,8 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   measurements.root().mkdir(parents=True)
   (measurements.root() / 'step_cost.json').write_text('{not json')
-  monkeypatch.setattr(cost_model, 'measure_step_cost',
-                      lambda model, counts, **kw: {t: 1e-3 * t for t in counts})
+  monkeypatch.setattr(cost_model, 'step_timer',
+                      lambda model, counts, **kw: lambda: {t: 1e-3 * t for t in counts})
   curve = cost_model.step_cost(testing.tiny_model(0), token_counts=(2, 8))
   assert curve == {1: 1.0, 2: 2.0, 8: 8.0}
 
@@ -124,7 +124,7 @@ def test_whole_drafting_steps_are_timed_and_kept_apart(tmp_path, monkeypatch, he
 
   def fail(*args, **kwargs):
     raise AssertionError('measured again')
-  monkeypatch.setattr(cost_model, 'measure_step_cost', fail)
+  monkeypatch.setattr(cost_model, 'step_timer', fail)
   assert cost_model.step_cost(model, drafting=True, draft_vocab_size=16, **kwargs) == drafting
 
 
@@ -159,12 +159,16 @@ def test_a_curve_that_falls_is_measured_again_and_never_kept_falling(tmp_path, m
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   disturbed = {1: 1.0, 2: 1.34, 4: 1.04, 8: 1.29}
   quiet = {1: 1.0, 2: 1.08, 4: 1.25, 8: 1.51}
-  runs = [disturbed, quiet]
-  monkeypatch.setattr(cost_model, 'measure_step_cost',
-                      lambda model, counts, **kw: {t: 0.03 * c for t, c in runs.pop(0).items()})
+  runs, compiles = [disturbed, quiet], []
+
+  def timer(model, counts, **kwargs):
+    compiles.append(counts)
+    return lambda: {t: 0.03 * c for t, c in runs.pop(0).items()}
+  monkeypatch.setattr(cost_model, 'step_timer', timer)
   model = testing.tiny_model(0)
   curve = cost_model.step_cost(model, token_counts=(2, 4, 8))
   assert not runs and curve == pytest.approx({1: 1.0, 2: 1.08, 4: 1.08, 8: 1.29})
+  assert len(compiles) == 1  # Timed again on the programs compiled for the first time.
   assert cost_model.step_cost(model, token_counts=(2, 4, 8)) == curve  # Kept: it rises.
 
   runs = [disturbed] * (1 + cost_model.REMEASURES)  # Disturbed every time: kept rising.
