@@ -368,7 +368,7 @@ def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: b
 
 def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
                refresh: bool = False, steps: int | None = None,
-               repeats: int = 5) -> float:
+               repeats: int = 3) -> float:
   """Seconds per drafting step of `kind` over seconds per one-token step, for `engine`'s
   compiled loop on these prompts (greedy), measured once and cached (`measurements`; measured
   again once the machine is quiet where other processes disturbed it).
@@ -390,7 +390,10 @@ def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
     refresh: measure again even when cached.
     steps: loop steps per timed run; by default 64 steps' work of a batch of one (`ROW_STEPS`):
       64 steps, or fewer where rows are mapped one by one and a step costs each row's.
-    repeats: timed runs of each kind.
+    repeats: timed runs of each kind (and calls that run no step). Three read within 2% of
+      ten on SmolLM2's demo drafter in bfloat16 (both kinds, batch 1 greedy and batch 4 mapped
+      rows sampled), and five no closer (within 3%); a server's first start on a model times
+      four break-evens.
 
   Returns:
     The break-even in tokens per step (> 0; below 1: drafting costs nothing).
