@@ -29,6 +29,8 @@ import sys
 from mtp.checkpoint import host_cache
 
 ENV_DIR = 'JAX_COMPILATION_CACHE_DIR'
+ENV_ENABLE = 'JAX_ENABLE_COMPILATION_CACHE'
+_FALSE = ('0', 'false', 'f', 'no', 'n', 'off')  # As JAX reads a boolean variable.
 
 
 def machine_key() -> str:
@@ -60,11 +62,13 @@ def enable() -> str | None:
   """Points JAX's persistent compilation cache at `default_directory()` where nobody chose a
   directory; before JAX is imported through the environment (processes this one starts
   inherit it), after through `jax.config`. Returns the directory set, or None: one was chosen
-  already, or the default cannot be written (JAX would warn at every compile)."""
-  if os.environ.get(ENV_DIR):
+  already, the cache is switched off, or the default cannot be written (JAX would warn at
+  every compile)."""
+  if os.environ.get(ENV_DIR) or os.environ.get(ENV_ENABLE, '').lower() in _FALSE:
     return None
   jax = sys.modules.get('jax')
-  if jax is not None and jax.config.jax_compilation_cache_dir is not None:
+  if jax is not None and (jax.config.jax_compilation_cache_dir is not None
+                          or not jax.config.jax_enable_compilation_cache):
     return None
   directory = default_directory()
   try:

@@ -58,6 +58,7 @@ def test_a_directory_the_user_chose_is_kept(tmp_path):
   chosen = str(tmp_path / 'mine')
   assert _run(tmp_path, JAX_COMPILATION_CACHE_DIR=chosen)['dir'] == chosen
   assert _run(tmp_path, order='jax_first', chosen=chosen)['dir'] == chosen
+  assert _run(tmp_path, JAX_ENABLE_COMPILATION_CACHE='false')['dir'] is None
   assert not (tmp_path / 'cache' / 'jax').exists()
 
 
