@@ -24,10 +24,10 @@ demo: $(VENV)/.installed
 demo-scratch: $(VENV)/.installed
 	$(BIN)/python -m launch.demo --config=configs/code_small.py --workdir=workdirs/code_small
 
-# XLA:CPU (jaxlib 0.10.2) now and then segfaults a worker while it compiles a program or writes
-# it to the persistent compilation cache (1-3 tests a run, never the same ones; all 7 crashes of
-# five runs, 2026-12-05/06, were in workers that had imported torch, which the parity tests run
-# beside mtp); a crashed test runs once more on a fresh worker. Only crashes: `--only-rerun`
+# XLA:CPU (jaxlib 0.10.2) now and then segfaults or aborts a worker while it compiles a program,
+# or loads or writes it in the persistent compilation cache (1-3 tests a run, never the same
+# ones; all 7 crashes of five runs, 2026-12-05/06, were in workers that had imported torch,
+# which the parity tests run beside mtp); a crashed test runs once more on a fresh worker. Only crashes: `--only-rerun`
 # matches no failure a test reports. Plain `--dist=load`: xdist 3.8's group and scope schedulers
 # (loadgroup, loadscope, loadfile) cannot rerun a crashed test (it counts as failed), and one
 # run hung after a crash; under pytest 9.2 loadgroup also groups nothing (it renames node ids
