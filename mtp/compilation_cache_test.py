@@ -33,9 +33,9 @@ print(json.dumps({'dir': jax.config.jax_compilation_cache_dir, 'hits': len(hits)
 
 def _run(tmp_path: pathlib.Path, order: str = 'mtp_first', chosen: str = '', **variables):
   env = testing.child_env(MTP_CACHE_DIR=str(tmp_path / 'cache'),
-                          JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', **variables)
+                          JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
   env.pop('JAX_COMPILATION_CACHE_DIR', None)  # The test session's own.
-  env.update({k: v for k, v in variables.items() if k == 'JAX_COMPILATION_CACHE_DIR'})
+  env.update(variables)
   out = subprocess.run([sys.executable, '-c', _CHILD, order, chosen], env=env, check=True,
                        capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
   return json.loads(out.stdout.strip().splitlines()[-1])

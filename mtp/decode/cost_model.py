@@ -64,13 +64,20 @@ def cpu_name() -> str:
   SmolLM2's trunk ran 650 tokens/s on one 2-core machine (AVX-512, AMX) and 120 on another
   (AVX2 only).
   """
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  cores = _usable_cpus()
   fields = _cpuinfo()
   if fields is None:
     return f'{platform.processor() or platform.machine()} {cores} cores'
   flags = set(fields.get('flags', '').split())
   features = [f for f in _CPU_FEATURES if f in flags]
   return ' '.join([fields.get('model name', platform.machine()), *features, f'{cores} cores'])
+
+
+def _usable_cpus() -> int:
+  """The CPUs this process may run on (XLA:CPU sizes its thread pool by them), at least 1."""
+  if hasattr(os, 'sched_getaffinity'):
+    return max(1, len(os.sched_getaffinity(0)))
+  return os.cpu_count() or 1
 
 
 @functools.cache
@@ -268,8 +275,7 @@ def compile_side_by_side(lowered: Iterable[jax.stages.Lowered]) -> list[jax.stag
   lowered meanwhile where `lowered` is a generator: XLA compiles a program on few threads, and
   lowering holds the interpreter. SmolLM2's drafting steps in bfloat16 at T = 1..32 lowered and
   compiled in 38 s so on 2 cores, against 47 s compiling one at a time."""
-  cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  with concurrent.futures.ThreadPoolExecutor(max(1, cpus or 1)) as pool:
+  with concurrent.futures.ThreadPoolExecutor(_usable_cpus()) as pool:
     return [job.result() for job in [pool.submit(program.compile) for program in lowered]]
 
 
