@@ -463,6 +463,15 @@ def test_seconds_per_step_times_each_kind_on_the_decoding_loop(model, prompts):
     assert 0 < engine.seconds_per_call(prompts, PROMPT_LENGTHS) < 10
     compiled = compiled or engine_lib.compilations()
   assert engine_lib.compilations() == compiled  # The kind is data: one compiled loop.
+  # Timed from one prefilled state, which the timings copy and leave whole.
+  prefilled = engine.timing_state(prompts, PROMPT_LENGTHS)
+  for kind in (1, 0):
+    assert 0 < engine.seconds_per_step(prompts, PROMPT_LENGTHS, kind=kind, steps=4,
+                                       prefilled=prefilled) < 10
+  assert 0 < engine.seconds_per_call(prompts, PROMPT_LENGTHS, prefilled=prefilled) < 10
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(prefilled))
+  assert int(np.max(prefilled.num_steps)) == 0
+  assert engine_lib.compilations() == compiled
 
 
 def test_break_even_is_measured_once_then_read_from_the_cache(model, prompts, tmp_path,
@@ -474,11 +483,12 @@ def test_break_even_is_measured_once_then_read_from_the_cache(model, prompts, tm
   one_token = iter([0.002, 0.002, 0.006, 0.002, 0.002, 0.002] * 4)
   call = 0.016
 
-  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False):
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False,
+               prefilled=None):
     calls.append(kind)
     return ((0.003 if kind else next(one_token)) * steps + call - overhead) / steps
 
-  def per_call(self, prompts, lengths):
+  def per_call(self, prompts, lengths, prefilled=None):
     calls.append('call')
     return call
 
@@ -506,7 +516,8 @@ def test_a_break_even_timed_under_load_is_measured_again_once_quiet(model, promp
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   timed, others = [], [1.0]  # Other processes' cores while timing.
 
-  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False):
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False,
+               prefilled=None):
     timed.append(kind)
     return (0.003 if kind else 0.002) * (1 + others[0])
 
@@ -516,7 +527,8 @@ def test_a_break_even_timed_under_load_is_measured_again_once_quiet(model, promp
       return others[0]
 
   monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', per_step)
-  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_call', lambda self, p, l: 0.0)
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_call',
+                      lambda self, p, l, prefilled=None: 0.0)
   monkeypatch.setattr(measurements, 'OtherWork', Watch)
   engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)
   assert auto.break_even(engine, prompts, PROMPT_LENGTHS, 1) == pytest.approx(1.5)
@@ -541,11 +553,13 @@ def test_steps_cheaper_than_a_calls_noise_are_timed_with_it(model, prompts, tmp_
   taking the overhead off leaves nothing: the ratio of whole runs is read instead."""
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
 
-  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False):
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False,
+               prefilled=None):
     return max((0.0003 if kind else 0.0001) * steps + 0.010 - overhead, 0.0) / steps
 
   monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', per_step)
-  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_call', lambda self, p, l: 0.020)
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_call',
+                      lambda self, p, l, prefilled=None: 0.020)
   engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)
   ratio = auto.break_even(engine, prompts, PROMPT_LENGTHS, 1, steps=4, repeats=2)
   assert ratio == pytest.approx((0.0012 + 0.010) / (0.0004 + 0.010))
@@ -554,8 +568,13 @@ def test_steps_cheaper_than_a_calls_noise_are_timed_with_it(model, prompts, tmp_
 def test_the_real_measurement_is_a_positive_ratio(model, prompts, tmp_path, monkeypatch):
   monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
   engine = decode_testing.engine(model, 'auto', max_new_tokens=12, lookup=0)
+  prefills = []
+  prefill = engine_lib.Engine.prefill
+  monkeypatch.setattr(engine_lib.Engine, 'prefill',
+                      lambda self, *a, **k: prefills.append(1) or prefill(self, *a, **k))
   ratio = auto.break_even(engine, prompts, PROMPT_LENGTHS, 1, steps=4, repeats=2)
   assert 0 < ratio < 100
+  assert len(prefills) == 1  # Every timed run starts from a copy of one prefilled state.
 
 
 def test_resolving_auto_measures_each_kind(model, prompts, tmp_path, monkeypatch):
