@@ -55,6 +55,8 @@ flags.DEFINE_integer('mixed_max_tokens', 128, 'Mixed clients\' max_tokens: at mo
 flags.DEFINE_integer('max_batch', 8, 'The server\'s --max_batch.')
 flags.DEFINE_float('max_wait_ms', 5.0, 'The server\'s --max_wait_ms.')
 flags.DEFINE_bool('exact', True, 'The server\'s --exact (row-mapped batches).')
+flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'], 'The server\'s --dtype (None: the '
+                  'workdir\'s).')
 flags.DEFINE_integer('steps_per_chunk', None, 'The server\'s --steps_per_chunk (None: each '
                      'decoder\'s own).')
 flags.DEFINE_string('output', 'results/serve_load.json', 'JSON results.')
@@ -162,7 +164,7 @@ def measure() -> dict:
   unknown = [k for k in FLAGS.settings if k not in SETTINGS]
   if unknown or not FLAGS.settings:
     raise app.UsageError(f'--settings takes {", ".join(SETTINGS)}, got {FLAGS.settings}')
-  loaded = mtp.load(FLAGS.workdir)
+  loaded = mtp.load(FLAGS.workdir, dtype=FLAGS.dtype)
   prompts = prompts_for(loaded)
   lengths = [len(loaded.tokenizer.encode(p)) for p in prompts]
   print(f'{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, max_tokens '
