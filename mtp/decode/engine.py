@@ -202,6 +202,15 @@ class Engine:
       out.logprobs, out.top_ids, out.top_logprobs = logprobs
     return out
 
+  def compiled_text(self, state: loop.LoopState) -> dict[str, str]:
+    """What XLA runs for states shaped as `state`: {'step', 'evict', 'insert'} -> each
+    program's optimized HLO (to check, say, that none of them copies the cache)."""
+    rows = jnp.ones(state.reason.shape, bool)
+    lowered = dict(step=_run.lower(self.prepared.structure, self.prepared.leaves, self.data,
+                                   self.plan, state, jnp.int32(1)),
+                   evict=_stop.lower(state, rows), insert=_splice.lower(state, state, rows))
+    return {name: program.compile().as_text() for name, program in lowered.items()}
+
   def running(self, state: loop.LoopState) -> bool:
     """Whether some row of `state` still decodes."""
     return bool(jnp.any(state.reason == loop.RUNNING))

@@ -269,15 +269,9 @@ def test_no_engine_program_copies_a_cache_buffer(exact):
                                  lookup=3, batch_size=2, exact=exact)
   state = engine.prefill(*state_lib.pad_prompts([[1, 2, 3], [4, 5]]),
                          _settings(engine, [settings_lib.Sampling(max_tokens=8)] * 2))
-  rows = np.array([True, False])
-  programs = {
-      'loop': engine_lib._run.lower(engine.prepared.structure, engine.prepared.leaves,
-                                    engine.data, engine.plan, state, 4),
-      'evict': engine_lib._stop.lower(state, rows),
-      'insert': engine_lib._splice.lower(state, state, rows)}
   capacity = engine.plan.capacity
   assert capacity >= 4 * 128  # Several chunks: a cache of one chunk is read whole anyway.
-  for name, lowered in programs.items():
-    copies = [line.strip() for line in lowered.compile().as_text().splitlines()
+  for name, program in engine.compiled_text(state).items():
+    copies = [line.strip() for line in program.splitlines()
               if ' copy(' in line and f',{capacity},' in line]
     assert not copies, f'{name}: {len(copies)} copies of cache buffers, e.g. {copies[0][:200]}'
