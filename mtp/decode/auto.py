@@ -356,16 +356,29 @@ class AutoPolicy:
 ROW_STEPS = 64
 
 
-def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: bool) -> str:
+def _bucket(n: int, least: int = 1) -> int:
+  """The power of two at or above n and `least`."""
+  return 1 << (max(int(n), least, 1) - 1).bit_length()
+
+
+def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: bool,
+               steps: int) -> str:
+  """The break-even's key. Prompt widths, timed steps (capped by the plan's new tokens) and cache
+  capacities within a factor of two share one, and so do prompts of up to 64 tokens: SmolLM2's
+  demo drafter at batch 1 read its two kinds within 5% of each other across 5- to 655-token
+  prompts, 16 to 128 new tokens and 128 to 896 slots, and each new width had cost every
+  `mtp.generate` call 15 s of measuring."""
   plan = engine.plan
   block, _ = plan.block(kind)
   return (f'v{_LOOP_VERSION}.{cost_model.STEPS_VERSION}|{"sampled|" if sampled else ""}'
           f'{cost_model.device_kind()}'
           f'|{cost_model.model_key(engine.cfg)}'
-          f'|B{batch_size}|P{prompt_width}|kind{kind}-{measurements.digest(repr(block))}'
+          f'|B{batch_size}|P~{_bucket(prompt_width, 64)}|kind{kind}-'
+          f'{measurements.digest(repr(block))}'
           f'|{"rows" if plan.row_mapped else "batch"}|mesh'
           f'{plan.mesh.shape if plan.mesh is not None else None}'
-          f'|V{plan.draft_vocab_size}|M{plan.max_new_tokens}|C{plan.capacity}')
+          f'|V{plan.draft_vocab_size}|S~{_bucket(min(steps, plan.max_new_tokens))}'
+          f'|C~{_bucket(plan.capacity)}')
 
 
 def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
@@ -373,7 +386,8 @@ def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
                repeats: int = 3) -> float:
   """Seconds per drafting step of `kind` over seconds per one-token step, for `engine`'s
   compiled loop on these prompts (greedy), measured once and cached (`measurements`; measured
-  again once the machine is quiet where other processes disturbed it).
+  again once the machine is quiet where other processes disturbed it) for every plan within a
+  factor of two of this one's prompt width, timed steps and cache (`_cache_key`).
 
   The two kinds of step take turns, and the fastest run of each counts: load from other work
   only ever adds time. (The median of per-pair ratios, used once, read 1.25 for a heads' block
@@ -403,7 +417,7 @@ def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,
   b, p = np.shape(prompts)
   if steps is None:
     steps = max(ROW_STEPS // b, 8) if engine.plan.row_mapped else ROW_STEPS
-  key = _cache_key(engine, b, p, kind, sampled)
+  key = _cache_key(engine, b, p, kind, sampled, steps)
   if not refresh:
     cached = measurements.lookup(_TABLE, key, lambda e: _valid(e['break_even']))
     if cached is not None:

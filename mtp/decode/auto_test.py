@@ -603,3 +603,36 @@ def test_a_stopped_lookup_restarts_where_the_text_shows_its_drafts_would_pay(pro
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   assert np.asarray(out.accepted_histogram)[:, 3:].sum() > 0  # Copies passed.
   assert np.asarray(out.num_steps).sum() < np.asarray(ref.num_steps).sum()
+
+
+def test_a_break_even_serves_shapes_within_a_factor_of_two(model, tmp_path, monkeypatch):
+  """Each new prompt width had measured again (15 s per `mtp.generate` call on SmolLM2): widths
+  (up to 64 tokens, then within a factor of two), timed steps and caches within a factor of two
+  share a break-even; a wider prompt, fewer new tokens or another batch measure their own."""
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  timed = []
+
+  def per_step(self, prompts, lengths, *, kind, steps=16, overhead=0.0, sampled=False,
+               prefilled=None):
+    timed.append(np.shape(prompts))
+    return 0.003 if kind else 0.002
+
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_step', per_step)
+  monkeypatch.setattr(engine_lib.Engine, 'seconds_per_call',
+                      lambda self, p, l, prefilled=None: 0.0)
+  monkeypatch.setattr(engine_lib.Engine, 'timing_state', lambda self, *a, **k: None)
+
+  def measures(width: int, max_new_tokens: int, batch_size: int = 1) -> bool:
+    engine = decode_testing.engine(model, 'auto', max_new_tokens=max_new_tokens, lookup=0,
+                                   prompt_width=width, batch_size=batch_size)
+    prompts = np.ones((batch_size, width), np.int32)
+    before = len(timed)
+    auto.break_even(engine, prompts, np.full((batch_size,), width), 1, steps=16)
+    return len(timed) > before
+
+  assert measures(5, 20)
+  assert not measures(7, 24)  # Widths 5 and 7, 20 and 24 tokens: one break-even.
+  assert not measures(40, 24)  # Prompts within one prefill chunk.
+  assert measures(100, 24)
+  assert measures(5, 6)  # Runs of 6 steps, not 16.
+  assert measures(5, 20, batch_size=2)
