@@ -74,10 +74,10 @@ PREDICTED_STEPS = 8
 EVIDENCE_QUIET = 8
 _TABLE = 'break_even.json'
 # Bumped when the way break-evens are timed changes (a change in what steps cost bumps
-# `cost_model.STEPS_VERSION`), so that older measurements are not reused; and at 12, when rows
-# mapped one by one stopped copying their cache in a branching tree's step (`kv_cache.attend`'s
-# `block`): only break-evens time such steps, so the cost curves stand.
-_LOOP_VERSION = 12
+# `cost_model.STEPS_VERSION`), so that older measurements are not reused. 13: 12 timed a
+# branching block read from Attention's own keys, which was faster for mapped rows and inexact
+# (it let XLA skip their bfloat16 rounding), and is undone.
+_LOOP_VERSION = 13
 
 
 @flax.struct.dataclass

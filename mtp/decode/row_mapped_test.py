@@ -1,9 +1,5 @@
 """Row-mapped decoding: each row bit-identical to a batch of one, fillers and stops skipped."""
 
-import dataclasses
-import functools
-
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +8,6 @@ import pytest
 from mtp.decode import row_mapped
 from mtp.decode import state as state_lib
 from mtp.decode import testing as decode_testing
-from mtp.decode import trees
-from mtp.decode import verification
-from mtp.model import mtp_model
 from mtp.model import testing as model_testing
 
 PROMPTS = [[5, 9, 11, 3], [7, 7], [1, 2, 3, 4, 5, 6, 7], [12]]
@@ -111,32 +104,3 @@ def test_rows_joining_between_chunks_equal_batch_of_one():
   for _ in range(8):
     state = engine.step(state, 1)
   np.testing.assert_array_equal(engine.result(state).tokens[2], alone[1].tokens[0])
-
-
-@pytest.mark.parametrize('choices', [[(0,), (1,)], [(0,), (0, 0)]], ids=['tree', 'chain'])
-def test_a_verification_step_writes_the_cache_in_place(choices):
-  """No step copies a layer's buffer: a row's block is written into it where it lies. Read back
-  for a branching tree's attention, XLA:CPU fused that read with the write and copied each
-  layer's values per row and step (SmolLM2 at 8,320 slots: its whole block cost 3.0 one-token
-  steps, 1.45 without the copies)."""
-  cfg = model_testing.tiny_config(head_type='eagle', mtp_num_heads=2)
-  cfg = dataclasses.replace(cfg, trunk=dataclasses.replace(cfg.trunk, dtype='bfloat16',
-                                                            max_seq_len=512))
-  model = mtp_model.MTPModel(cfg, rngs=nnx.Rngs(0))
-  tree = trees.tree_from_choices(choices)
-  graphdef, params = nnx.split(model)
-  b, capacity = 4, 512  # Several chunks: a cache of one chunk is read whole anyway.
-
-  @functools.partial(jax.jit, donate_argnums=1)
-  def steps(params, cache):
-    m = row_mapped.RowMapped(nnx.merge(graphdef, params), jnp.ones((b,), bool))
-    lengths = jnp.full((b,), 40, jnp.int32)
-    positions = lengths[:, None] + jnp.asarray(tree.depth)[None]
-    nodes = jnp.zeros((b, tree.num_nodes), jnp.int32)
-    return jax.lax.fori_loop(0, 2, lambda _, c: verification.step(
-        m, tree, nodes, positions, c, lengths, with_heads=False)[1], cache)
-
-  program = steps.lower(params, model.init_cache(b, capacity)).compile().as_text()
-  shape = ','.join(map(str, model.init_cache(b, capacity).keys[0].shape))
-  copies = [line for line in program.splitlines() if f'[{shape}]' in line and ' copy(' in line]
-  assert not copies, f'{len(copies)} copies of a cache buffer, e.g. {copies[0].strip()[:200]}'

@@ -242,8 +242,7 @@ def compact_layers(cache: KVCache, lengths: jax.Array, path: jax.Array,
 
 
 def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array,
-           own: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-           block: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+           own: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
   """Attention of T queries over a layer's cache, chunk by chunk (see the module docstring).
 
   Scores and the softmax's running state are laid out [B, G, T, R, ...] (R = H / G queries per
@@ -260,11 +259,6 @@ def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array
     own: optional keys each query sees besides the cache, (keys [B, T, E, G, d] rotated,
       values [B, T, E, G, d], visible [T, E] or [B, T, E] bool), in the same softmax: E keys
       of each query's own (speculative streams, `heads/streaming.py`).
-    block: the block's keys and values [B, N, G, d] as `write_slots` just wrote them, where
-      queries out of logical order read them (half precision on CPU) instead of reading them
-      back from the cache. Read back from a row's `RowView`, XLA:CPU fused the read with the
-      write and then copied the layer's whole buffer to keep it (SmolLM2's rows at 8,320
-      slots: a branching tree's step cost twice a chain's).
 
   Returns:
     [B, T, H, d] in q's dtype (computed in float32).
@@ -283,7 +277,7 @@ def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array
   lengths = lengths.astype(jnp.int32)
 
   if fixed_order:
-    chunk, block_chunk = _logical_chunks(q, keys, values, lengths, block_mask, static, block)
+    chunk, block_chunk = _logical_chunks(q, keys, values, lengths, block_mask, static)
   else:
     block_chunk = None
 
@@ -342,8 +336,7 @@ def _online_softmax_step(carry, scores: jax.Array, visible: jax.Array, weighted,
 
 
 def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array,
-                    static: np.ndarray | None,
-                    block: tuple[jax.Array, jax.Array] | None = None):
+                    static: np.ndarray | None):
   """`attend`'s chunk step in half precision on CPU, where each query's result must have the
   same bits as when its token is decoded alone (`products`: exact decoding).
 
@@ -391,12 +384,8 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
     """The lagging queries' visible block tokens in index order (ancestors, then itself)
     [B, L, N], their block scores [B, G, L, R, N] and the block's values [B, G, N, d]."""
     order = jnp.argsort(~mask_lagging, axis=-1, stable=True).astype(jnp.int32)
-    if block is None:
-      block_keys, block_values = (_read_blocks(x, lengths, n) for x in (keys, values))
-    else:  # As the cache holds them: the same bits.
-      block_keys, block_values = (stored(jnp.swapaxes(x, 1, 2), buffer.dtype)
-                                  for x, buffer in zip(block, (keys, values)))
-    return order, _shared_scores(q_lagging, block_keys), block_values
+    return (order, _shared_scores(q_lagging, _read_blocks(keys, lengths, n)),
+            _read_blocks(values, lengths, n))
 
   # Only a block out of logical order reads them: a one-token step never (static), a prefill
   # chunk or a chain skips the sort and the products (2-3% of a long prompt's prefill).
