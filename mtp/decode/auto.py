@@ -74,10 +74,10 @@ PREDICTED_STEPS = 8
 EVIDENCE_QUIET = 8
 _TABLE = 'break_even.json'
 # Bumped when the way break-evens are timed changes (a change in what steps cost bumps
-# `cost_model.STEPS_VERSION`), so that older measurements are not reused. 13: 12 timed a
-# branching block read from Attention's own keys, which was faster for mapped rows and inexact
-# (it let XLA skip their bfloat16 rounding), and is undone.
-_LOOP_VERSION = 13
+# `cost_model.STEPS_VERSION`), so that older measurements are not reused. 14: a branching
+# block reads Attention's own keys behind a barrier that keeps their bfloat16 rounding, and
+# mapped rows no longer copy their cache in its step (12 read them without the barrier).
+_LOOP_VERSION = 14
 
 
 @flax.struct.dataclass

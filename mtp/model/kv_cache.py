@@ -130,6 +130,17 @@ def stored(x: jax.Array, storage) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.uint16)
 
 
+def rounded(x: jax.Array) -> jax.Array:
+  """bfloat16 x with the bits of its rounding from float32, even where XLA would keep the
+  float32 value it was converted from (`xla_allow_excess_precision`): rounded by
+  `reduce_precision`, an operation of its own, which matches the conversion bit for bit
+  (bfloat16 only: it flushes float16's subnormals to zero)."""
+  if x.dtype != jnp.bfloat16:
+    raise TypeError(f'rounded takes bfloat16 values, not {x.dtype}')
+  return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8,
+                                  mantissa_bits=7).astype(x.dtype)
+
+
 def loaded(x, dtype) -> jax.Array:
   """A buffer's (a slice's, a `RowView`'s row) contents as `dtype` values: `stored`'s
   inverse."""
@@ -242,7 +253,8 @@ def compact_layers(cache: KVCache, lengths: jax.Array, path: jax.Array,
 
 
 def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array,
-           own: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+           own: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+           block: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """Attention of T queries over a layer's cache, chunk by chunk (see the module docstring).
 
   Scores and the softmax's running state are laid out [B, G, T, R, ...] (R = H / G queries per
@@ -259,6 +271,15 @@ def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array
     own: optional keys each query sees besides the cache, (keys [B, T, E, G, d] rotated,
       values [B, T, E, G, d], visible [T, E] or [B, T, E] bool), in the same softmax: E keys
       of each query's own (speculative streams, `heads/streaming.py`).
+    block: the block's keys and values [B, N, G, d] as `write_slots` just wrote them, where
+      queries out of logical order read them (half precision on CPU) instead of reading them
+      back from the cache. Read back from a row's `RowView`, XLA:CPU fused the read with the
+      write and then copied the layer's whole buffer to keep it (SmolLM2's rows at 8,320
+      slots: a branching tree's step cost twice a chain's). They are rounded to bfloat16 by
+      an explicit operation (`rounded`), which no compiler pass removes: read straight from
+      Attention, XLA may keep them in float32 (excess precision), and a query's scores would
+      part, in their last bits, from those of its token decoded alone, which reads the keys
+      rounded from memory. float16 blocks are read back.
 
   Returns:
     [B, T, H, d] in q's dtype (computed in float32).
@@ -277,7 +298,7 @@ def attend(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array
   lengths = lengths.astype(jnp.int32)
 
   if fixed_order:
-    chunk, block_chunk = _logical_chunks(q, keys, values, lengths, block_mask, static)
+    chunk, block_chunk = _logical_chunks(q, keys, values, lengths, block_mask, static, block)
   else:
     block_chunk = None
 
@@ -336,7 +357,8 @@ def _online_softmax_step(carry, scores: jax.Array, visible: jax.Array, weighted,
 
 
 def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: jax.Array,
-                    static: np.ndarray | None):
+                    static: np.ndarray | None,
+                    block: tuple[jax.Array, jax.Array] | None = None):
   """`attend`'s chunk step in half precision on CPU, where each query's result must have the
   same bits as when its token is decoded alone (`products`: exact decoding).
 
@@ -384,8 +406,12 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
     """The lagging queries' visible block tokens in index order (ancestors, then itself)
     [B, L, N], their block scores [B, G, L, R, N] and the block's values [B, G, N, d]."""
     order = jnp.argsort(~mask_lagging, axis=-1, stable=True).astype(jnp.int32)
-    return (order, _shared_scores(q_lagging, _read_blocks(keys, lengths, n)),
-            _read_blocks(values, lengths, n))
+    if block is None or block[0].dtype != jnp.bfloat16:  # float16: see `rounded`.
+      block_keys, block_values = (_read_blocks(x, lengths, n) for x in (keys, values))
+    else:  # As the cache holds them: the same bits, rounded explicitly (see `attend`).
+      block_keys, block_values = (stored(jnp.swapaxes(rounded(x), 1, 2), buffer.dtype)
+                                  for x, buffer in zip(block, (keys, values)))
+    return order, _shared_scores(q_lagging, block_keys), block_values
 
   # Only a block out of logical order reads them: a one-token step never (static), a prefill
   # chunk or a chain skips the sort and the products (2-3% of a long prompt's prefill).

@@ -1,6 +1,7 @@
 """Attention over the cache in half precision on CPU: which queries it gathers, and that
 gathering fewer changes no bit (`kv_cache.attend`)."""
 
+import functools
 import re
 
 import jax
@@ -85,3 +86,38 @@ def test_a_tree_known_when_tracing_reads_its_chunks_without_a_choice_per_chunk()
   # A mask known only at run time still asks whether its queries turned out in order.
   traced = jax.jit(kv_cache.attend).lower(q, keys, values, lengths, jnp.asarray(BREADTH_FIRST))
   assert _branches(traced.as_text()) > 0
+
+
+def test_rounded_has_the_bits_of_a_conversion():
+  """Subnormal, large and overflowing values included."""
+  x = jnp.asarray(np.concatenate([np.random.default_rng(0).normal(size=2000) * scale
+                                  for scale in (1e-40, 1e-6, 1.0, 1e30, 3e38)]), jnp.float32)
+  want = np.asarray(x.astype(jnp.bfloat16)).view(np.uint16)
+  got = jax.jit(lambda x: kv_cache.rounded(x.astype(jnp.bfloat16)))(x)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want)
+  with pytest.raises(TypeError, match='bfloat16 values, not float16'):
+    kv_cache.rounded(x.astype(jnp.float16))
+
+
+@pytest.mark.parametrize('mask', [ORDERED, BREADTH_FIRST], ids=['ordered', 'breadth_first'])
+def test_a_block_given_as_written_gives_the_bits_of_one_read_back(mask):
+  """Out-of-order queries may read the block's keys and values from Attention rather than back
+  from the cache (a row's read-back copied its buffer); computed in the same program, they are
+  rounded by an operation of their own, which XLA keeps, not only by a conversion, which it
+  may skip (excess precision: a fresh `make demo` once parted from autoregressive decoding)."""
+  q, keys, values = _inputs(2, len(mask))
+  raw = jnp.asarray(np.random.default_rng(3).normal(size=(2, 2, len(mask), GROUPS, DIM)),
+                    jnp.float32)
+  lengths = jnp.asarray([130, 300], jnp.int32)
+
+  def step(q, keys, values, raw, lengths, as_written):
+    k, v = (jnp.sin(1.37 * x).astype(jnp.bfloat16) for x in raw)  # Computed here, as k, v are.
+    keys, values = (kv_cache.write_slots(c, x, lengths) for c, x in ((keys, k), (values, v)))
+    return kv_cache.attend(q, keys, values, lengths, mask, block=(k, v) if as_written else None)
+
+  program = jax.jit(functools.partial(step, as_written=True)).lower(q, keys, values, raw,
+                                                                    lengths).compile()
+  assert 'reduce-precision(' in program.as_text()
+  read_back = jax.jit(functools.partial(step, as_written=False))(q, keys, values, raw, lengths)
+  np.testing.assert_array_equal(np.asarray(program(q, keys, values, raw, lengths), np.float32),
+                                np.asarray(read_back, np.float32))

@@ -232,7 +232,7 @@ class Attention(nnx.Module):
       values = kv_cache_lib.write_slots(cache[1], v, lengths)
       cache = (keys, values)
       if mask.ndim < 4:
-        out = kv_cache_lib.attend(q, keys, values, lengths, mask)
+        out = kv_cache_lib.attend(q, keys, values, lengths, mask, block=(k, v))
         return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), cache
       k, v = (jnp.swapaxes(kv_cache_lib.loaded(c, q.dtype), 1, 2) for c in cache)
     out = jax.nn.dot_product_attention(q, k, v, mask=mask)
