@@ -9,18 +9,38 @@ they are left out with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import sys
 
 from absl import logging
 from etils import epath
 import jax
 import tqdm
-from tensorboardX import SummaryWriter
-from tensorboardX import record_writer
 
 from mtp.checkpoint import paths
+
+
+@contextlib.contextmanager
+def _torch_hidden():
+  """Imports inside see torch as not installed, unless it is imported already."""
+  hide = 'torch' not in sys.modules
+  if hide:
+    sys.modules['torch'] = None  # `import torch` raises ImportError.
+  try:
+    yield
+  finally:
+    if hide and sys.modules.get('torch', 0) is None:
+      del sys.modules['torch']
+
+
+# tensorboardX imports torch where it is installed, only to name its tensor type: every process
+# that trains (the demo, launch scripts, test workers) paid 0.9 s and torch's memory for it.
+with _torch_hidden():
+  from tensorboardX import SummaryWriter
+  from tensorboardX import record_writer
 
 METRICS_FILENAME = 'metrics.jsonl'
 
