@@ -2,6 +2,7 @@ r"""What each kind of `auto` step costs on the compiled decode loop, beside an i
 
   python -m benchmarks.loop_steps --workdir=workdirs/smollm2_demo --dtype=bfloat16
   python -m benchmarks.loop_steps --workdir=workdirs/smollm2_demo --batch_sizes=4 --repeats=9
+  python -m benchmarks.loop_steps --batch_sizes=4 --exact --max_new_tokens=8064  # A server's.
 
 For each batch size, on held-out code prompts (`heldout_prompts`), the `auto` engine that
 `mtp.generate` resolves for greedy rows, and each kind of its steps (0: one token; k: the block
@@ -38,6 +39,8 @@ flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as 
 flags.DEFINE_integer('max_new_tokens', 128, "The engine's token budget (sizes its cache).")
 flags.DEFINE_integer('steps', 64, 'Loop steps per timed run.')
 flags.DEFINE_integer('repeats', 5, 'Timed runs of each kind (the fastest counts).')
+flags.DEFINE_bool('exact', False, "Rows mapped one by one, as the server's default --exact "
+                  'decodes them (else one shared batch, as mtp.generate does).')
 flags.DEFINE_string('output', 'results/loop_steps.json', 'JSON results.')
 
 
@@ -54,7 +57,8 @@ def measure_batch(loaded, prompts: list[str], batch_size: int) -> list[dict]:
       vocab_size=loaded.model.cfg.trunk.vocab_size)
   engine = plan_lib.resolve(loaded, 'auto', max_new_tokens=FLAGS.max_new_tokens,
                             prompt_width=padded.shape[1], batch_size=batch_size,
-                            greedy_only=True, calibration=(padded, lengths))
+                            greedy_only=True, calibration=(padded, lengths),
+                            exact=FLAGS.exact)
   kinds = range(engine.plan.num_kinds + 1)
   nodes = {k: engine.plan.block(k)[0].num_nodes for k in kinds}
 
@@ -88,7 +92,8 @@ def main(argv):
   prompts = heldout_prompts.of_kind('code', loaded.tokenizer, max(batch_sizes),
                                     FLAGS.prompt_tokens)
   rows = [row for b in batch_sizes for row in measure_batch(loaded, prompts, b)]
-  print(f'{FLAGS.workdir} ({FLAGS.dtype}): ms per step of each kind, held-out code')
+  print(f'{FLAGS.workdir} ({FLAGS.dtype}, {"mapped rows" if FLAGS.exact else "shared batch"}, '
+        f'{FLAGS.max_new_tokens} new tokens): ms per step of each kind, held-out code')
   print(f'{"batch":>5} {"kind":>4} {"nodes":>5} {"tokens":>6} {"loop ms":>8} {"isolated ms":>11} '
         f'{"loop / kind 0":>13} {"isolated / T1":>13}')
   for r in rows:
@@ -97,7 +102,8 @@ def main(argv):
           f'{r["isolated_ratio"]:>13.2f}')
   path = pathlib.Path(FLAGS.output)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(dict(workdir=FLAGS.workdir, dtype=FLAGS.dtype, rows=rows),
+  path.write_text(json.dumps(dict(workdir=FLAGS.workdir, dtype=FLAGS.dtype, exact=FLAGS.exact,
+                                  max_new_tokens=FLAGS.max_new_tokens, rows=rows),
                              indent=1) + '\n')
   print(f'wrote {path}')
 
