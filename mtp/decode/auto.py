@@ -75,8 +75,8 @@ EVIDENCE_QUIET = 8
 _TABLE = 'break_even.json'
 # Bumped when the way break-evens are timed changes (a change in what steps cost bumps
 # `cost_model.STEPS_VERSION`), so that older measurements are not reused. 14: a branching
-# block reads Attention's own keys behind a barrier that keeps their bfloat16 rounding, and
-# mapped rows no longer copy their cache in its step (12 read them without the barrier).
+# block reads Attention's own keys, rounded by `kv_cache.rounded`, and mapped rows no longer
+# copy their cache in its step (12 read them with their rounding left to a conversion).
 _LOOP_VERSION = 14
 
 
