@@ -26,9 +26,9 @@ demo-scratch: $(VENV)/.installed
 
 # XLA:CPU (jaxlib 0.10.2) now and then segfaults or aborts a worker while it compiles a program,
 # or loads or writes it in the persistent compilation cache (1-3 tests a run, never the same
-# ones; all 7 crashes of five runs, 2026-12-05/06, were in workers that had imported torch, but
-# every worker does: parity_test imports it when collected); a crashed test runs once more on a
-# fresh worker. Only crashes: `--only-rerun` matches no failure a test reports. Plain
+# ones; all crashes of 2026-12-05/06 were in workers that had imported torch, but every worker
+# had: collecting parity_test imported it, which it no longer does, `tests/collection_test.py`);
+# a crashed test runs once more on a fresh worker. Only crashes: `--only-rerun` matches no failure a test reports. Plain
 # `--dist=load`: xdist 3.8's group and scope schedulers (loadgroup, loadscope, loadfile) cannot
 # rerun a crashed test (it counts as failed), and one run hung after a crash; under pytest 9.2
 # loadgroup also groups nothing (it renames node ids through an attribute pytest 9.2 no longer

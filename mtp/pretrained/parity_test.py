@@ -30,9 +30,18 @@ from mtp import testing as mtp_testing
 from mtp.pretrained import smollm2
 from mtp.pretrained import workdir as workdir_lib
 
-torch = pytest.importorskip('torch')
-transformers = pytest.importorskip('transformers')
 pytestmark = pytest.mark.slow
+torch = transformers = None  # Imported by `_peer` when a test of this module first runs.
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _peer():
+  """torch and transformers, imported before this module's first test (autouse fixtures come
+  first in their scope), not when it is collected: collected, it loaded torch into every test
+  worker, whatever tests that worker ran."""
+  global torch, transformers
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
 
 SEQ_LEN = 256
 PROMPTS = ['def fibonacci(n):', 'import os\n\n\ndef list_python_files(directory):\n',
