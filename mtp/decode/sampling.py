@@ -32,6 +32,7 @@ import numpy as np
 from mtp.decode import dynamic_trees
 from mtp.decode import trees as trees_lib
 from mtp.model import kv_cache as kv_cache_lib
+from mtp.model import products
 
 _NEG_INF = -jnp.inf
 # Top-k and top-p look for their thresholds among this many top logits first (a partial top_k
@@ -81,6 +82,20 @@ def _per_row(value, like: jnp.ndarray, dtype) -> jnp.ndarray:
   return value.reshape(value.shape + (1,) * (like.ndim - value.ndim))
 
 
+def _row_sum(x: jnp.ndarray) -> jnp.ndarray:
+  """[..., V] -> [..., 1]: the sum over the last axis in a fixed order. XLA:CPU vectorises a
+  reduction by the whole array's shape, so a plain sum gives a row other bits beside other rows
+  or in a verification block than alone: a row's probabilities, and so the tokens its seed
+  draws, would then depend on its neighbours (`products.ordered_sum`)."""
+  return products.ordered_sum(x, axis=-1, keepdims=True)
+
+
+def _softmax(logits: jnp.ndarray) -> jnp.ndarray:
+  """jax.nn.softmax over the last axis, normalised by `_row_sum`."""
+  unnormalised = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  return unnormalised / _row_sum(unnormalised)
+
+
 def shape_logits(logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0) -> jnp.ndarray:
   """Applies temperature, then top-k, then top-p, per row, masking removed tokens to -inf.
 
@@ -127,7 +142,8 @@ def shape_logits(logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0) -> jn
 def _top_p_threshold(logits: jnp.ndarray, top: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
   """Smallest logit of each row's nucleus: [..., V] logits, [..., C] their C largest,
   descending, top_p broadcastable to [..., 1]."""
-  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  top_logit = jnp.max(logits, axis=-1, keepdims=True)  # Finite: the top scaled logit is 0.
+  lse = top_logit + jnp.log(_row_sum(jnp.exp(logits - top_logit)))
   probs = jnp.exp(top - lse)
   cum = jnp.cumsum(probs, axis=-1)
   # Keep a token if the mass before it is < top_p (>= 1 token since top_p > 0).
@@ -139,7 +155,7 @@ def _top_p_threshold(logits: jnp.ndarray, top: jnp.ndarray, top_p: jnp.ndarray) 
 
   def exact():
     keys = _order_keys(logits)
-    t = _largest_threshold(keys, jax.nn.softmax(logits, axis=-1), top_p)
+    t = _largest_threshold(keys, _softmax(logits), top_p)
     return jnp.where(fits, fast, _from_order_keys(t))
 
   return jax.lax.cond(jnp.all(fits), lambda: fast, exact)
@@ -167,7 +183,7 @@ def _largest_threshold(keys: jnp.ndarray, weights: jnp.ndarray, target) -> jnp.n
   def body(_, bounds):
     lo, hi = bounds  # Answer in [lo, hi]; int32 range, so 32 halvings suffice.
     mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)  # ceil((lo + hi) / 2) without overflow.
-    ok = jnp.sum(jnp.where(keys >= mid, weights, 0.0), axis=-1, keepdims=True) >= target
+    ok = _row_sum(jnp.where(keys >= mid, weights, 0.0)) >= target
     return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
   bounds = (jnp.min(keys, axis=-1, keepdims=True), jnp.max(keys, axis=-1, keepdims=True))
@@ -176,7 +192,7 @@ def _largest_threshold(keys: jnp.ndarray, weights: jnp.ndarray, target) -> jnp.n
 
 def target_probs(logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0) -> jnp.ndarray:
   """[B, ..., V] float32 probabilities of the shaped distribution (one-hot argmax if greedy)."""
-  return jax.nn.softmax(shape_logits(logits, temperature, top_k, top_p), axis=-1)
+  return _softmax(shape_logits(logits, temperature, top_k, top_p))
 
 
 def row_keys(rng, batch_size: int) -> jax.Array:
@@ -252,7 +268,7 @@ def _accept(u: jnp.ndarray, p_x: jnp.ndarray, q_x: jnp.ndarray) -> jnp.ndarray:
 def _residual(p: jnp.ndarray, q: jnp.ndarray) -> jnp.ndarray:
   """normalize(max(0, p - q)) over the last axis, falling back to p where that is all zero."""
   r = jnp.maximum(p - q, 0.0)
-  total = jnp.sum(r, axis=-1, keepdims=True)
+  total = _row_sum(r)
   return jnp.where(total > 0, r / jnp.where(total > 0, total, 1.0), p)
 
 
@@ -537,7 +553,11 @@ def token_logprobs(logits: jnp.ndarray, tokens: jnp.ndarray, top: int
     the model's own distribution (temperature 1, no top-k or top-p: what OpenAI's logprobs
     report), in float32.
   """
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  x = logits.astype(jnp.float32)
+  shifted = x - jnp.max(x, axis=-1, keepdims=True)
+  # jax.nn.log_softmax gave a token other bits (1 ulp) in a verification block or a batch than
+  # alone: summed in a fixed order, its log-probability is one number however it was decoded.
+  log_probs = shifted - jnp.log(_row_sum(jnp.exp(shifted)))
   chosen = _gather_last(log_probs, tokens.astype(jnp.int32))
   if not top:
     empty = jnp.zeros(tokens.shape + (0,))

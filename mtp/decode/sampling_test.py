@@ -567,3 +567,31 @@ def test_rejection_tree_outputs():
   path, n, nxt = _rejection_tree(_key(0), root, tokens[:, :1], probs[:, :1])
   np.testing.assert_array_equal(path, 0)
   np.testing.assert_array_equal(n, 0)
+
+
+@pytest.mark.parametrize('vocab', [61, 4099, 49152])
+def test_a_rows_probabilities_have_the_same_bits_alone_in_a_batch_and_in_a_block(vocab):
+  """Shaped probabilities, residuals and log-probabilities of a row do not depend on the rows
+  beside it or on the nodes of its block: its seed then draws the same tokens in a shared batch
+  as alone (where the logits are row-invariant: half precision on CPU)."""
+  logits, other = (jnp.asarray(np.random.default_rng(seed).normal(size=(6, 5, vocab)) * 4,
+                               jnp.float32) for seed in (3, 4))
+  temperature = jnp.array([0.7, 1.0, 1.3, 0.5, 0.9, 1.0])[:, None]
+  top_p = jnp.array([0.9, 1.0, 0.5, 0.99, 1.0, 0.8])[:, None]
+  top_k = jnp.array([0, 0, 5, 0, 40, 0])[:, None]
+
+  def each(fn, *arrays):
+    whole = jax.jit(fn)(*arrays)
+    alone = jnp.stack([jnp.concatenate([jax.jit(fn)(*(a[b:b + 1, n:n + 1] for a in arrays))
+                                        for n in range(5)], axis=1)[0] for b in range(6)])
+    return np.asarray(whole), np.asarray(alone)
+
+  for whole, alone in (
+      each(lambda x, t, k, p: sampling.target_probs(x, t, k, p), logits,
+           jnp.broadcast_to(temperature, (6, 5)), jnp.broadcast_to(top_k, (6, 5)),
+           jnp.broadcast_to(top_p, (6, 5))),
+      each(lambda x, y: sampling._residual(sampling._softmax(x), sampling._softmax(y)), logits,
+           other),
+      each(lambda x, t: sampling.token_logprobs(x, t, 3)[0], logits,
+           jnp.zeros((6, 5), jnp.int32))):
+    np.testing.assert_array_equal(whole, alone)
