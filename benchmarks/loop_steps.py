@@ -39,8 +39,9 @@ flags.DEFINE_integer('prompt_tokens', 128, 'Prompts hold as many whole lines as 
 flags.DEFINE_integer('max_new_tokens', 128, "The engine's token budget (sizes its cache).")
 flags.DEFINE_integer('steps', 64, 'Loop steps per timed run.')
 flags.DEFINE_integer('repeats', 5, 'Timed runs of each kind (the fastest counts).')
-flags.DEFINE_bool('exact', False, "Rows mapped one by one, as the server's default --exact "
-                  'decodes them (else one shared batch, as mtp.generate does).')
+flags.DEFINE_bool('exact', False, "Rows mapped one by one, as the server's --exact decodes "
+                  'them in float32 and off CPU (else one shared batch, as mtp.generate and the '
+                  'server in bfloat16 on CPU decode them).')
 flags.DEFINE_string('output', 'results/loop_steps.json', 'JSON results.')
 
 

@@ -3,7 +3,7 @@ r"""Per-request settings on a real server: what the engine promises, checked on 
   python -m benchmarks.serve_checks [--workdir=workdirs/code_small] [--requests=200]
 
 Starts the server in this process (`mtp.serving.server.running`, the default decoder `auto`,
-exact rows), warms it, then:
+`--exact`), warms it, then:
   1. compilations: `--requests` completions with mixed settings, `--concurrency` at a time, each
      drawing its temperature (0, 0.3, 0.7, 1.0), top_p (0.9, 1), top_k (0, 20), max_tokens
      (16-128), seed, stream and decoder; `mtp_compilations_total` (/metrics) before and after:
@@ -34,6 +34,8 @@ flags.DEFINE_integer('concurrency', 16, 'Requests in flight at once.')
 flags.DEFINE_integer('crowd', 31, 'Other requests around the seeded one.')
 flags.DEFINE_integer('logprob_prompts', 16, 'Prompts of the logprobs check.')
 flags.DEFINE_integer('max_batch', 8, 'The server\'s --max_batch.')
+flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'], 'The server\'s --dtype (None: the '
+                  'workdir\'s).')
 flags.DEFINE_string('output', 'results/serve_checks.json', 'JSON results.')
 
 
@@ -52,18 +54,19 @@ def _compilations(url: str) -> float:
 
 
 def run(workdir: str, *, requests: int, concurrency: int, crowd: int, logprob_prompts: int,
-        max_batch: int) -> dict:
+        max_batch: int, dtype: str | None = None) -> dict:
   import httpx2 as httpx
   import numpy as np
   import openai
   import mtp
   from mtp.serving import server
-  loaded = mtp.load(workdir)
+  loaded = mtp.load(workdir, dtype=dtype)
   prompts = _prompts(loaded, max(logprob_prompts, 8))
-  out = {'workdir': workdir}
+  out = {'workdir': workdir, 'dtype': dtype}
   with server.running(loaded, max_batch=max_batch, max_wait_ms=5) as (url, batcher):
     if not batcher.warm.wait(1800) or batcher.startup_error is not None:
       raise RuntimeError(f'the server did not warm up: {batcher.startup_error}')
+    out['row_mapped'] = batcher.row_mapped
     client = openai.OpenAI(base_url=url + '/v1', api_key='unused', max_retries=0, timeout=600)
     draw = random.Random(0)
 
@@ -113,8 +116,9 @@ def main(argv):
   del argv
   out = run(FLAGS.workdir, requests=FLAGS.requests, concurrency=FLAGS.concurrency,
             crowd=FLAGS.crowd, logprob_prompts=FLAGS.logprob_prompts,
-            max_batch=FLAGS.max_batch)
+            max_batch=FLAGS.max_batch, dtype=FLAGS.dtype)
   c, s, lp = out['compilations'], out['seeds'], out['logprobs']
+  print(f'rows {"mapped one by one" if out["row_mapped"] else "in one shared batch"}')
   print(f'compilations: {c["before"]:.0f} before and {c["after"]:.0f} after {c["requests"]} '
         f'mixed requests ({c["ok"]} ok, {c["seconds"]} s)')
   print(f'seeds: the seeded request alone and among {s["crowd"]} others: '

@@ -54,7 +54,8 @@ flags.DEFINE_integer('mixed_min_tokens', 16, 'Mixed clients\' max_tokens: at lea
 flags.DEFINE_integer('mixed_max_tokens', 128, 'Mixed clients\' max_tokens: at most this.')
 flags.DEFINE_integer('max_batch', 8, 'The server\'s --max_batch.')
 flags.DEFINE_float('max_wait_ms', 5.0, 'The server\'s --max_wait_ms.')
-flags.DEFINE_bool('exact', True, 'The server\'s --exact (row-mapped batches).')
+flags.DEFINE_bool('exact', True, 'The server\'s --exact (rows mapped one by one where a '
+                  'shared batch is not exact: float32, GPUs).')
 flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'], 'The server\'s --dtype (None: the '
                   'workdir\'s).')
 flags.DEFINE_integer('steps_per_chunk', None, 'The server\'s --steps_per_chunk (None: each '
@@ -183,7 +184,9 @@ def measure() -> dict:
       raise RuntimeError('the server could not compile its decoders') from batcher.startup_error
     warm_seconds = time.perf_counter() - start
     warm = compilations(url)
-    print(f'server warm in {warm_seconds:.0f}s: {warm} programs compiled', flush=True)
+    row_mapped = batcher.row_mapped
+    print(f'server warm in {warm_seconds:.0f}s: {warm} programs compiled, rows '
+          f'{"mapped one by one" if row_mapped else "in one shared batch"}', flush=True)
     for kind in FLAGS.settings:  # Untimed: the first requests' one-off costs (connections).
       for decoder in decoders:
         run_level(url, prompts, decoder, min(levels), kind, requests=min(levels))
@@ -219,6 +222,7 @@ def measure() -> dict:
                          top_p=[float(p) for p in FLAGS.mixed_top_p],
                          max_tokens=[FLAGS.mixed_min_tokens, FLAGS.mixed_max_tokens]),
               max_batch=FLAGS.max_batch, max_wait_ms=FLAGS.max_wait_ms, exact=FLAGS.exact,
+              row_mapped=row_mapped,
               steps_per_chunk=FLAGS.steps_per_chunk,
               prompt_tokens=[min(lengths), max(lengths)], warm_seconds=warm_seconds,
               compilations_after_warmup=warm, compilations_at_end=end, rows=rows)

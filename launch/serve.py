@@ -44,9 +44,10 @@ flags.DEFINE_integer('tree_budget', None, 'Nodes per step of a dynamic tree, roo
                      '(--tree is then its superset; with --tree=dynamic, default: sized from '
                      'the measured cost curve).')
 flags.DEFINE_integer('default_max_tokens', 16, 'max_tokens of requests that give none.')
-flags.DEFINE_bool('exact', True, 'Row-mapped batches: every greedy request gets exactly its '
-                  'batch-of-one tokens (launch.generate\'s). --noexact shares matmuls across '
-                  'rows: faster on big models, exact only up to float ties.')
+flags.DEFINE_bool('exact', True, 'Every greedy request gets exactly its batch-of-one tokens '
+                  '(launch.generate\'s): rows share the batch where that holds (bfloat16 on '
+                  'CPU), else each runs as a batch of one. --noexact always shares the batch: '
+                  'faster in float32 and on GPUs, exact there only up to float ties.')
 flags.DEFINE_integer('steps_per_chunk', None, 'Loop steps between host round trips for '
                      'non-streamed batches (default 16; streamed ones take one step per chunk).')
 flags.DEFINE_integer('max_logprobs', 20, 'Alternatives per token a request may ask for '

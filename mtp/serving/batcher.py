@@ -13,13 +13,16 @@ seed and the stop id), so any mix of requests shares one batch, and what the lan
 start (each decoder's prefill, loop, splice and stop, for one batch shape: `warm`) is all the
 server ever compiles (`engine.compilations()`, exported as `mtp_compilations_total`).
 
-Exactness: in `exact` mode (the default) rows are mapped one by one (`decode/row_mapped.py`):
-every row computes what a batch of one computes, bit for bit (the prefill in fixed chunks and
-the cache's chunked attention make prompt padding and cache size irrelevant), so a greedy
-request returns `launch.generate`'s tokens whatever shares its batch and whenever it joined;
-under `auto`, up to float ties where its batch's step kinds differ from a batch of one's. A
-sampled request's tokens follow from its prompt, settings and seed (`decode/settings.py`).
-Without `exact`, rows share matmuls (faster for big models; equal up to float ties).
+Exactness: in `exact` mode (the default) a greedy request returns `launch.generate`'s tokens,
+whatever shares its batch and whenever it joined: every row computes what a batch of one
+computes, bit for bit (the prefill in fixed chunks and the cache's chunked attention make prompt
+padding and cache size irrelevant). In half precision on CPU the model's products are
+row-invariant (`model/products.py`), so rows share one batch and its matmuls (SmolLM2 in
+bfloat16, 4 rows: 3x the tokens/s of rows mapped one by one). Elsewhere (float32, GPUs) rows
+are mapped one by one (`decode/row_mapped.py`), and under `auto` exact up to float ties where
+its batch's step kinds differ from a batch of one's. A sampled request's tokens follow from its
+prompt, settings and seed (`decode/settings.py`), never from its neighbours. Without `exact`,
+rows always share matmuls (faster for big models; in float32 equal up to float ties).
 
 Results go back to the event loop through `Job.emit` (thread-safe).
 """
@@ -41,6 +44,7 @@ from mtp.decode import decoders as decoders_lib
 from mtp.decode import plan as plan_lib
 from mtp.decode import settings as settings_lib
 from mtp.decode import streaming
+from mtp.model import products
 from mtp.serving import schemas
 
 # Loop steps per host round trip of a batch no row of which streams, whatever its decoder: at
@@ -166,7 +170,8 @@ class Batcher:
     max_batch: rows per lane.
     max_wait_ms: how long a lane with nothing running waits for company.
     max_queue: jobs waiting at most (more: `QueueFull`).
-    exact: rows mapped one by one (see the module docstring).
+    exact: every row decodes a batch of one's tokens: rows share the batch where the products
+      are row-invariant, else they are mapped one by one (`row_mapped`; the module docstring).
     steps_per_chunk: loop steps between host round trips for batches no row of which streams
       (None: `STEPS_PER_CHUNK`); streaming rows get one step per chunk.
     tree, tree_budget: the drafting decoders' heads' tree (`plan.resolve`'s options).
@@ -184,6 +189,8 @@ class Batcher:
     self.decoders = tuple(decoders)
     self.max_batch, self.max_wait = int(max_batch), max_wait_ms / 1000
     self.max_queue, self.exact = int(max_queue), exact
+    # A row of a shared batch computes a batch of one's bits where products are row-invariant.
+    self.row_mapped = exact and not products.on_fast_path(loaded.model.cfg.trunk.dtype)
     self.steps_per_chunk = steps_per_chunk
     self.metrics = metrics
     self.max_logprobs = int(max_logprobs)
@@ -208,8 +215,9 @@ class Batcher:
     """The lane's engine: its plan takes any prompt and budget the model's positions allow."""
     return plan_lib.resolve(
         self.loaded, decoder, max_new_tokens=self.max_tokens, prompt_width=self.prompt_width,
-        # Exact rows decode as batches of one: trees sized for that.
-        batch_size=1 if self.exact else self.max_batch, exact=self.exact, continuous=True,
+        # Mapped rows decode as batches of one: trees sized for that.
+        batch_size=1 if self.row_mapped else self.max_batch, exact=self.row_mapped,
+        continuous=True,
         logprobs=self.max_logprobs, calibration=calibration, break_even=break_even,
         **(self._options if decoders_lib.get(decoder).drafts else {}))
 

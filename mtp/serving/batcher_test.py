@@ -1,4 +1,5 @@
-"""The batcher's parts: stop sequences over streamed text, and the shared-matmul mode."""
+"""The batcher's parts: stop sequences over streamed text, exact rows in a shared batch, and the
+shared-matmul mode."""
 
 import concurrent.futures
 
@@ -22,6 +23,41 @@ def test_stop_text_holds_back_what_could_become_a_stop_sequence():
   late = batcher_lib._StopText(('zz',))
   assert late.push('abz', final=False) == ('ab', False)
   assert late.push('', final=True) == ('z', False)  # The end releases what was held.
+
+
+def test_exact_rows_share_the_batch_where_products_are_row_invariant(tiny_workdir):
+  """In bfloat16 on CPU a row's products have the same bits in any batch (`products`): there the
+  exact server shares one batch instead of mapping rows one by one (float32 still maps them),
+  and among concurrent requests each greedy one returns launch.generate's batch-of-one tokens,
+  under every decoder, and a seeded sampled one draws the tokens it draws alone."""
+  assert batcher_lib.Batcher(mtp.load(tiny_workdir), decoders=('autoregressive',)).row_mapped
+  loaded = mtp.load(tiny_workdir, dtype='bfloat16')
+  decoders = ('auto', 'speculative', 'autoregressive')
+  prompts = [f'def g{i}(y):' for i in range(6)]
+  want = {d: testing.references(loaded, prompts, 8, decoder=d) for d in decoders}
+  assert want['auto'] == want['speculative'] == want['autoregressive']
+  with server.running(loaded, max_batch=4, max_wait_ms=50, decoders=decoders) as (url, batcher):
+    assert batcher.warm.wait(300) and batcher.startup_error is None
+    assert not batcher.row_mapped
+    assert all(lane.engine.plan.row_mapped is False for lane in batcher._lanes.values())
+    client = openai.OpenAI(base_url=url + '/v1', api_key='unused', max_retries=0)
+
+    def ask(prompt, decoder, **options):
+      return client.completions.create(
+          model='m', prompt=prompt, max_tokens=options.pop('max_tokens', 8),
+          temperature=options.pop('temperature', 0), extra_body={'decoder': decoder},
+          **options).model_extra['mtp']['tokens']
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      for decoder in decoders:
+        got = list(pool.map(lambda p, d=decoder: ask(p, d), prompts))
+        assert got == [want[decoder][p] for p in prompts], decoder
+      seeded = dict(temperature=0.9, seed=77, max_tokens=16)
+      alone = ask(prompts[0], 'auto', **seeded)
+      crowd = [pool.submit(ask, p, 'auto', temperature=0.5 * (i % 3), seed=i)
+               for i, p in enumerate(prompts)]
+      among = ask(prompts[0], 'auto', **seeded)
+      assert all(len(f.result()) for f in crowd)
+    assert among == alone
 
 
 @pytest.fixture(scope='module')
