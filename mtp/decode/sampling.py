@@ -142,8 +142,7 @@ def shape_logits(logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0) -> jn
 def _top_p_threshold(logits: jnp.ndarray, top: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
   """Smallest logit of each row's nucleus: [..., V] logits, [..., C] their C largest,
   descending, top_p broadcastable to [..., 1]."""
-  top_logit = jnp.max(logits, axis=-1, keepdims=True)  # Finite: the top scaled logit is 0.
-  lse = top_logit + jnp.log(_row_sum(jnp.exp(logits - top_logit)))
+  lse = products.ordered_logsumexp(logits)  # The top scaled logit is 0: finite.
   probs = jnp.exp(top - lse)
   cum = jnp.cumsum(probs, axis=-1)
   # Keep a token if the mass before it is < top_p (>= 1 token since top_p > 0).

@@ -95,3 +95,10 @@ def ordered_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
       total = jnp.concatenate([total, jax.lax.slice_in_dim(x, 2 * half, n, axis=axis)], axis)
     x, n = total, total.shape[axis]
   return x if keepdims else jnp.squeeze(x, axis)
+
+
+def ordered_logsumexp(x: Array) -> Array:
+  """log(sum(exp(x))) over the last axis, kept ([..., 1]), summed by `ordered_sum`: a row's
+  value has the same bits in any block (x's row maximum must be finite)."""
+  top = jnp.max(x, axis=-1, keepdims=True)
+  return top + jnp.log(ordered_sum(jnp.exp(x - top), keepdims=True))

@@ -191,7 +191,7 @@ class Batcher:
     self.max_batch, self.max_wait = int(max_batch), max_wait_ms / 1000
     self.max_queue, self.exact = int(max_queue), exact
     # A row of a shared batch computes a batch of one's bits where products are row-invariant.
-    self.row_mapped = exact and not products.on_fast_path(loaded.model.cfg.trunk.dtype)
+    self.row_mapped = exact and not products.on_fast_path(self.model_cfg.trunk.dtype)
     self.steps_per_chunk = steps_per_chunk
     self.metrics = metrics
     self.max_logprobs = int(max_logprobs)

@@ -84,10 +84,8 @@ def assign_children(tree, drafts: TreeDrafts, parents, logits: Array,
   values, index = jax.lax.top_k(logits, int(np.max(tree.rank)) + 1)  # [B, P or 1, R]
   # Normalised by a fixed-order sum, so that a row's scores, and the nodes a dynamic tree keeps,
   # do not depend on its neighbours (a plain reduction's bits do on XLA:CPU: `products`).
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  log_norm = top + jnp.log(products.ordered_sum(jnp.exp(logits - top), keepdims=True))
   # Rounding never lifts a child above its parent (the selection relies on it).
-  log_q = jnp.minimum(values - log_norm, 0.0)
+  log_q = jnp.minimum(values - products.ordered_logsumexp(logits), 0.0)
   shape = parents.shape + values.shape[-1:]
   index, log_q = jnp.broadcast_to(index, shape), jnp.broadcast_to(log_q, shape)
   tokens = token_ids(jnp.take_along_axis(index, rank, axis=2)).astype(jnp.int32)
