@@ -4,12 +4,14 @@ An `Engine` holds a model, a decode plan and the plan's data (`plan.resolve` mak
 serves offline calls and a server alike, as JetStream's engine does:
   * `generate(prompts, lengths, settings)` decodes a batch; `chunks(...)` yields the partial
     result after the prefill and after each chunk of loop steps (streaming);
-  * continuous batching: `prefill` new prompts into a fresh state (rows not named are
-    skipped), `insert` its rows into a running state, `step` every running row a chunk of loop
+  * continuous batching: `prefill` new prompts into a fresh state (of the whole batch, rows
+    not named cancelled, or of just the rows that join: a prefill computes every row it is
+    given), `insert` its rows into a running state, `step` every running row a chunk of loop
     steps, `evict` rows, read the `result`.
 Per-request settings are rows of data (`settings.RowSettings`), never compile keys: a plan
-compiles one prefill per prompt width and batch size, one loop and one splice per batch size,
-whatever the requests ask. `compilations()` counts every program the engines have compiled.
+compiles one prefill per prompt width and batch size, one loop and one splice per batch size
+(and one placement per number of rows prefilled apart), whatever the requests ask.
+`compilations()` counts every program the engines have compiled.
 """
 
 from __future__ import annotations
@@ -75,15 +77,25 @@ def _prefill(structure, leaves, data, plan, prompts, lengths, active, settings):
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'plan'), donate_argnames=('state',))
-def _run(structure, leaves, data, plan, state, max_steps):
+def _run(structure, leaves, data, plan, state, max_steps, until_a_row_ends):
   COMPILATIONS.add('run')
-  return loop.run(state_lib.merge(structure, leaves), data, plan, state, max_steps)
+  running = jnp.sum(state.reason == loop.RUNNING)
+  least = jnp.where(until_a_row_ends, jnp.maximum(running, 1), 1)
+  return loop.run(state_lib.merge(structure, leaves), data, plan, state, max_steps, least)
 
 
 @functools.partial(jax.jit, donate_argnames=('state',))
 def _splice(state, fresh, rows):
   COMPILATIONS.add('splice')
   return loop.splice(state, fresh, rows)
+
+
+@functools.partial(jax.jit, donate_argnames=('state',))
+def _place(state, fresh, slots):
+  """`state` [B] with its rows `slots` [N] (distinct) replaced by `fresh`'s N rows, in order
+  (every field is per row, as for `loop.splice`)."""
+  COMPILATIONS.add('place')
+  return jax.tree.map(lambda old, new: old.at[slots].set(new), state, fresh)
 
 
 # Donated: else the program copies the whole cache to return it unchanged (SmolLM2's 4 rows
@@ -166,15 +178,27 @@ class Engine:
 
   def insert(self, state: loop.LoopState | None, fresh: loop.LoopState,
              rows) -> loop.LoopState:
-    """`fresh`'s rows [B] marked, spliced into the running `state` (None: `fresh` itself)."""
+    """The running `state` [B] with the rows `rows` [B] marks taken from `fresh` (None: `fresh`
+    itself): `fresh`'s own rows where it has B (a prefill of the whole batch), else its N rows
+    in order (a prefill of just the N rows marked: a prefill computes every row it is given)."""
     if state is None:
       return fresh
-    return _splice(state, fresh, jnp.asarray(rows, bool))
+    rows = np.asarray(rows, bool)
+    if fresh.reason.shape[0] == rows.shape[0]:
+      return _splice(state, fresh, jnp.asarray(rows))
+    slots = np.flatnonzero(rows).astype(np.int32)
+    if len(slots) != fresh.reason.shape[0]:
+      raise ValueError(f'{len(slots)} rows marked for a fresh state of '
+                       f'{fresh.reason.shape[0]} rows')
+    return _place(state, fresh, jnp.asarray(slots))
 
-  def step(self, state: loop.LoopState, steps: int) -> loop.LoopState:
-    """Up to `steps` loop steps of every running row (`state` is consumed)."""
+  def step(self, state: loop.LoopState, steps: int, *,
+           until_a_row_ends: bool = False) -> loop.LoopState:
+    """Up to `steps` loop steps of every running row (`state` is consumed); with
+    `until_a_row_ends`, fewer where a row ends before (a server then answers it and fills its
+    row at once). Either way one compiled program."""
     return _run(self.prepared.structure, self.prepared.leaves, self.data, self.plan, state,
-                jnp.int32(steps))
+                jnp.int32(steps), jnp.bool_(until_a_row_ends))
 
   def evict(self, state: loop.LoopState, rows) -> loop.LoopState:
     """Rows [B] marked stop (cancelled); they cost nothing more when rows are mapped (`state`
@@ -203,12 +227,15 @@ class Engine:
     return out
 
   def compiled_text(self, state: loop.LoopState) -> dict[str, str]:
-    """What XLA runs for states shaped as `state`: {'step', 'evict', 'insert'} -> each
-    program's optimized HLO (to check, say, that none of them copies the cache)."""
+    """What XLA runs for states shaped as `state`: {'step', 'evict', 'insert', 'place'} ->
+    each program's optimized HLO (to check, say, that none of them copies the cache; 'place'
+    inserts one row's prefill)."""
     rows = jnp.ones(state.reason.shape, bool)
+    row = jax.tree.map(lambda x: x[:1], state)
     lowered = dict(step=_run.lower(self.prepared.structure, self.prepared.leaves, self.data,
-                                   self.plan, state, jnp.int32(1)),
-                   evict=_stop.lower(state, rows), insert=_splice.lower(state, state, rows))
+                                   self.plan, state, jnp.int32(1), jnp.bool_(False)),
+                   evict=_stop.lower(state, rows), insert=_splice.lower(state, state, rows),
+                   place=_place.lower(state, row, jnp.zeros((1,), jnp.int32)))
     return {name: program.compile().as_text() for name, program in lowered.items()}
 
   def running(self, state: loop.LoopState) -> bool:

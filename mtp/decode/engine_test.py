@@ -80,18 +80,30 @@ def test_a_row_decodes_the_same_alone_and_in_any_batch(model, prompts):
   assert batch.num_generated[2] <= 5
 
 
-def test_rows_join_and_leave_a_running_batch(model, prompts):
-  """Continuous batching through the door: rows prefilled into a running state decode what a
-  batch of one decodes, whenever they joined; evicted rows stop."""
+@pytest.mark.parametrize('joining', ['whole_batch', 'one_by_one'])
+def test_rows_join_and_leave_a_running_batch(model, prompts, joining):
+  """Continuous batching through the door: rows prefilled into a running state (in a prefill
+  of the whole batch, or each in a prefill of its own) decode what a batch of one decodes,
+  whenever they joined, a seeded sampled row too; evicted rows stop."""
   engine = decode_testing.engine(model, 'speculative', max_new_tokens=MAX_NEW, exact=True)
-  samplings = [settings_lib.Sampling(max_tokens=MAX_NEW)] * 3
+  samplings = [settings_lib.Sampling(max_tokens=MAX_NEW),
+               settings_lib.Sampling(max_tokens=MAX_NEW, temperature=0.8, seed=3),
+               settings_lib.Sampling(max_tokens=MAX_NEW)]
   want = engine.generate(prompts, PROMPT_LENGTHS, _settings(engine, samplings))
   first = np.array([True, False, False])
   state = engine.prefill(prompts, PROMPT_LENGTHS, _settings(engine, samplings), first)
   state = engine.step(state, 3)
   later = np.array([False, True, True])
-  state = engine.insert(state, engine.prefill(prompts, PROMPT_LENGTHS,
-                                              _settings(engine, samplings), later), later)
+  if joining == 'whole_batch':
+    state = engine.insert(state, engine.prefill(prompts, PROMPT_LENGTHS,
+                                                _settings(engine, samplings), later), later)
+  else:
+    for row in np.flatnonzero(later):
+      fresh = engine.prefill(prompts[row:row + 1], PROMPT_LENGTHS[row:row + 1],
+                             _settings(engine, samplings[row:row + 1]))
+      state = engine.insert(state, fresh, np.arange(3) == row)
+    with pytest.raises(ValueError, match='2 rows marked for a fresh state of 1 rows'):
+      engine.insert(state, fresh, later)
   state = engine.step(state, 2)
   state = engine.evict(state, np.array([False, False, True]))
   evicted = engine.result(state)
@@ -101,6 +113,27 @@ def test_rows_join_and_leave_a_running_batch(model, prompts):
   np.testing.assert_array_equal(out.tokens[:2], want.tokens[:2])
   assert out.num_generated[2] == evicted.num_generated[2] < MAX_NEW
   assert [out.finish_reason(r) for r in range(3)] == ['length', 'length', 'cancelled']
+
+
+@pytest.mark.parametrize('decoder', ['autoregressive', 'auto'])
+def test_a_chunk_returns_when_a_row_ends_if_asked(model, prompts, decoder):
+  """`step(..., until_a_row_ends=True)` returns once a row ends (a server answers it and fills
+  its row at once), and the rows that run on decode what they would have decoded."""
+  engine = decode_testing.engine(model, decoder, max_new_tokens=MAX_NEW, exact=True)
+  samplings = [settings_lib.Sampling(max_tokens=n) for n in (MAX_NEW, 4, MAX_NEW)]
+  want = engine.generate(prompts, PROMPT_LENGTHS, _settings(engine, samplings))
+  state = engine.step(engine.prefill(prompts, PROMPT_LENGTHS, _settings(engine, samplings)),
+                      MAX_NEW, until_a_row_ends=True)
+  early = engine.result(state)
+  assert early.finish_reason(1) == 'length' and early.num_generated[1] >= 4
+  assert all(early.finish_reason(r) is None for r in (0, 2))
+  assert np.all(early.num_generated[[0, 2]] < MAX_NEW)
+  for _ in range(2):  # The other two rows end in one step or in two.
+    state = engine.step(state, MAX_NEW, until_a_row_ends=True)
+  assert not engine.running(state)
+  out = engine.result(engine.step(state, MAX_NEW, until_a_row_ends=True))  # None runs.
+  np.testing.assert_array_equal(out.tokens, want.tokens)
+  np.testing.assert_array_equal(out.num_steps, want.num_steps)
 
 
 def test_stop_ids_end_each_row_and_pad_after(model, prompts):

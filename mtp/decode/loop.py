@@ -334,14 +334,15 @@ def _advance(plan, data, s: LoopState, emitted: Array, num_emitted: Array,
       drafters=_rows(active, states, s.drafters))
 
 
-def run(model, data, plan, state: LoopState, max_steps: Array) -> LoopState:
-  """Runs loop steps until every row is done or `max_steps` steps were taken."""
-  vocab = _head_vocab(model, plan, data)
-  step_args = (model, data, plan, vocab)
+def run(model, data, plan, state: LoopState, max_steps: Array,
+        least_running: Array | int = 1) -> LoopState:
+  """Runs loop steps until fewer than `least_running` rows run (1: every row is done) or
+  `max_steps` steps were taken."""
+  step_args = (model, data, plan, _head_vocab(model, plan, data))
   kinds = plan.num_kinds
 
   def cond(carry):
-    return (carry[0] < max_steps) & jnp.any(carry[1].reason == RUNNING)
+    return (carry[0] < max_steps) & (jnp.sum(carry[1].reason == RUNNING) >= least_running)
 
   def body(carry):
     i, s = carry
@@ -372,8 +373,7 @@ def _run_kind(kind: Array, quiet: Array, branches, s: LoopState, row_kind: Array
   that runs keeps running) and the passes it made, as one while loop per kind: a `lax.switch`
   copied the whole KV cache into and out of its branches each step (XLA:CPU, +40% per
   one-token step), a while loop's body updates its carry in place."""
-  running = jnp.sum(s.reason == RUNNING)
-  passes = jnp.zeros((), jnp.int32)
+  running, passes = jnp.sum(s.reason == RUNNING), jnp.zeros((), jnp.int32)
   for k, branch in enumerate(branches):
     limit = jnp.where(kind == k, quiet if k == 0 else 1, 0)
     def more(carry, limit=limit):

@@ -1,6 +1,7 @@
 """The batcher's parts: stop sequences over streamed text, exact rows in a shared batch, and the
 shared-matmul mode."""
 
+import collections
 import concurrent.futures
 
 import openai
@@ -29,7 +30,8 @@ def test_exact_rows_share_the_batch_where_products_are_row_invariant(tiny_workdi
   """In bfloat16 on CPU a row's products have the same bits in any batch (`products`): there the
   exact server shares one batch instead of mapping rows one by one (float32 still maps them),
   and among concurrent requests each greedy one returns launch.generate's batch-of-one tokens,
-  under every decoder, and a seeded sampled one draws the tokens it draws alone."""
+  under every decoder, and a seeded sampled one draws the tokens it draws alone, whether it
+  was prefilled with the whole batch or alone (up to half a batch joins one by one)."""
   assert batcher_lib.Batcher(mtp.load(tiny_workdir), decoders=('autoregressive',)).row_mapped
   loaded = mtp.load(tiny_workdir, dtype='bfloat16')
   decoders = ('auto', 'speculative', 'autoregressive')
@@ -40,6 +42,15 @@ def test_exact_rows_share_the_batch_where_products_are_row_invariant(tiny_workdi
     assert batcher.warm.wait(300) and batcher.startup_error is None
     assert not batcher.row_mapped
     assert all(lane.engine.plan.row_mapped is False for lane in batcher._lanes.values())
+    prefilled = {d: collections.Counter() for d in decoders}  # Rows per prefill, per decoder.
+
+    def counted(decoder, prefill):
+      def prefill_and_count(prompts, *args, **kwargs):
+        prefilled[decoder][len(prompts)] += 1
+        return prefill(prompts, *args, **kwargs)
+      return prefill_and_count
+    for decoder, lane in batcher._lanes.items():
+      lane.engine.prefill = counted(decoder, lane.engine.prefill)
     client = openai.OpenAI(base_url=url + '/v1', api_key='unused', max_retries=0)
 
     def ask(prompt, decoder, **options):
@@ -58,6 +69,7 @@ def test_exact_rows_share_the_batch_where_products_are_row_invariant(tiny_workdi
       among = ask(prompts[0], 'auto', **seeded)
       assert all(len(f.result()) for f in crowd)
     assert among == alone
+    assert all(prefilled[d][1] and prefilled[d][4] for d in decoders), prefilled
 
 
 @pytest.fixture(scope='module')
