@@ -3,11 +3,15 @@ once for all its processes."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import fcntl
+import importlib.util
+import multiprocessing
 import os
 import pathlib
 import shutil
-from typing import Callable
+from typing import Callable, Iterator
 
 _DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
@@ -46,3 +50,19 @@ def built_once(name: str, build: Callable[[pathlib.Path], object]) -> pathlib.Pa
       build(folder)
       done.touch()
   return folder
+
+
+@contextlib.contextmanager
+def oracle_process(*modules: str) -> Iterator[concurrent.futures.Executor]:
+  """A process of its own for a test's reference implementation, which needs `modules` (torch,
+  transformers): submit it module-level functions of numpy arrays and paths. The test process
+  never imports them: workers that had loaded torch were where the suite's XLA:CPU crashes fell
+  (Makefile). Skips the test where one of `modules` is not installed."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  missing = [m for m in modules if importlib.util.find_spec(m) is None]
+  if missing:
+    pytest.skip(f'needs {", ".join(missing)}')
+  # Spawned, not forked: a fork of a process running XLA's threads may deadlock.
+  with concurrent.futures.ProcessPoolExecutor(
+      1, mp_context=multiprocessing.get_context('spawn')) as pool:
+    yield pool

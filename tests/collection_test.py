@@ -1,6 +1,10 @@
-"""Collecting the suite imports neither torch nor transformers: each test worker loads them only
-if it runs a test that needs them (the transformers oracles), not for every test it runs."""
+"""The test processes import neither torch nor transformers: collecting the suite loads neither,
+and no test imports them; their oracles run in processes of their own
+(`mtp.testing.oracle_process`, or a benchmark's command). Workers that had loaded torch were
+where the suite's XLA:CPU crashes fell (Makefile)."""
 
+import ast
+import pathlib
 import subprocess
 import sys
 
@@ -25,3 +29,41 @@ def test_collecting_the_suite_imports_no_torch():
                        env=testing.child_env(), timeout=600, check=False).stdout
   loaded = [line for line in out.splitlines() if line.startswith('LOADED ')]
   assert loaded == ['LOADED -'], loaded or out[-2000:]
+
+
+_PEERS = {'torch', 'transformers'}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _imports_a_peer(tree: ast.AST) -> list[int]:
+  """Lines of `tree` that import torch or transformers, or ask pytest to."""
+  lines = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      names = [node.module or '']
+    elif (isinstance(node, ast.Call) and getattr(node.func, 'attr', '') == 'importorskip'
+          and node.args and isinstance(node.args[0], ast.Constant)):
+      names = [str(node.args[0].value)]
+    else:
+      continue
+    if any(name.split('.')[0] in _PEERS for name in names):
+      lines.append(node.lineno)
+  return sorted(lines)
+
+
+def test_no_test_module_imports_torch():
+  """Test modules and conftest files run torch and transformers only in child processes."""
+  found = []
+  for path in sorted(ROOT.rglob('*.py')):
+    parts = path.relative_to(ROOT).parts
+    if {'venv', '.venv', 'workdirs', 'build'} & set(parts):
+      continue
+    if path.name.endswith('_test.py') or path.name == 'conftest.py':
+      found += [f'{path.relative_to(ROOT)}:{line}'
+                for line in _imports_a_peer(ast.parse(path.read_text()))]
+  assert not found, found
+  bad = ast.parse('import torch\nfrom transformers import AutoModel\n'
+                  'import pytest\npytest.importorskip("torch")\nx = "import torch"\n')
+  assert _imports_a_peer(bad) == [1, 2, 4]  # The check sees code, not strings.

