@@ -62,8 +62,9 @@ _CALIBRATION_TOKENS = 256
 def _prefills_apart(joining: int, max_batch: int) -> bool:
   """Whether `joining` rows that join a running batch are prefilled one by one, not in a
   prefill of the whole batch: a prefill computes every row it is given, and a batch's products
-  cost less per row (SmolLM2's demo drafter in bfloat16, 128-token prompts: 182 ms alone, 423 ms
-  for a batch of 4 whatever joins it; two rows one by one 364 ms, four 728 ms)."""
+  cost less per row (SmolLM2's demo drafter in bfloat16, 128-token prompts: 150-182 ms for one
+  row alone, 423 ms for a batch of 4 whatever joins it; so two rows one by one cost less, four
+  cost more)."""
   return 0 < joining <= max_batch // 2
 
 
