@@ -68,7 +68,7 @@ def test_mismatches_name_the_first_difference():
 @pytest.mark.slow
 def test_end_to_end_on_a_tiny_model(tiny_workdir, tmp_path):
   """The benchmark's command in a process of its own, as users run it (it loads torch, which
-  this one never does: workers that had were where the suite's XLA:CPU crashes fell)."""
+  test workers never do: tests/collection_test.py)."""
   for module in ('torch', 'transformers'):
     if importlib.util.find_spec(module) is None:
       pytest.skip(f'needs {module}')

@@ -56,8 +56,9 @@ def built_once(name: str, build: Callable[[pathlib.Path], object]) -> pathlib.Pa
 def oracle_process(*modules: str) -> Iterator[concurrent.futures.Executor]:
   """A process of its own for a test's reference implementation, which needs `modules` (torch,
   transformers): submit it module-level functions of numpy arrays and paths. The test process
-  never imports them: workers that had loaded torch were where the suite's XLA:CPU crashes fell
-  (Makefile). Skips the test where one of `modules` is not installed."""
+  never imports them, so it never holds torch's threads beside JAX's (torch was a suspect for
+  the suite's XLA:CPU crashes: Makefile). Skips the test where one of `modules` is not
+  installed."""
   import pytest  # pylint: disable=import-outside-toplevel
   missing = [m for m in modules if importlib.util.find_spec(m) is None]
   if missing:

@@ -1,7 +1,7 @@
 """The test processes import neither torch nor transformers: collecting the suite loads neither,
 and no test imports them; their oracles run in processes of their own
-(`mtp.testing.oracle_process`, or a benchmark's command). Workers that had loaded torch were
-where the suite's XLA:CPU crashes fell (Makefile)."""
+(`mtp.testing.oracle_process`, or a benchmark's command), so no worker holds torch's threads
+beside JAX's (torch was a suspect for the suite's XLA:CPU crashes: Makefile)."""
 
 import ast
 import pathlib

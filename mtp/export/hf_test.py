@@ -3,12 +3,13 @@ our own importer (round trip), and independent torch implementations of the head
 
 Models are tiny and random (every parameter perturbed, so a transposed or swapped tensor cannot
 pass by symmetry): one per head family, with a byte tokenizer or a BPE one with a chat template,
-tied or untied output layers, and sharded weights. The torch references (`hf_torch_check`) are
-written from the published formats (vLLM's Medusa ResBlocks, DeepSeek-V3's MTP layer, the
-parallel-heads layout in `mtp/model/heads/parallel.py`), not from our modules.
+tied or untied output layers, and sharded weights. The torch references of the heads' formats
+(`mtp/model/heads/formats_torch_check.py`) are written from the published formats (vLLM's Medusa
+ResBlocks, DeepSeek-V3's MTP layer, the parallel-heads layout in `mtp/model/heads/parallel.py`),
+not from our modules.
 
 transformers and torch come with the `peer` extra; the tests that need them skip without it,
-and run them in a process of their own (`hf_torch_check`): this one never imports torch.
+and run them in a process of their own: this one never imports torch.
 """
 
 import json
@@ -31,6 +32,7 @@ from mtp.export import hf
 from mtp.export import hf_torch_check
 from mtp.model import heads as heads_lib
 from mtp.model import mtp_model
+from mtp.model.heads import formats_torch_check
 from mtp.model.heads import medusa
 from mtp.pretrained import safetensors_file
 from mtp.pretrained import testing as pretrained_testing
@@ -296,7 +298,8 @@ def _assert_logits_close(got, want):
 
 
 def test_medusa_heads_in_vllm_format(exports, reference, oracle):
-  """vLLM's Medusa (`hf_torch_check.medusa_logits`) over the target's normed last states."""
+  """vLLM's Medusa (`formats_torch_check.medusa_logits`) over the target's normed last
+  states."""
   loaded, directory, _ = exports['medusa']
   config = json.loads((directory / 'medusa' / 'config.json').read_text())
   assert config['model_type'] == 'medusa' and config['architectures'] == ['MedusaModel']
@@ -306,20 +309,20 @@ def test_medusa_heads_in_vllm_format(exports, reference, oracle):
   # vLLM renames keys holding "num" and "heads"/"layers": only Medusa's own may be there.
   assert [k for k in config if 'num' in k] == ['num_heads', 'num_hidden_layers']
   normed = reference['medusa']['normed'][0]  # [T, D], the first row
-  theirs = oracle.submit(hf_torch_check.medusa_logits, directory, normed).result()
+  theirs = oracle.submit(formats_torch_check.medusa_logits, directory, normed).result()
   ours, _ = _ours(loaded, _tokens(loaded))
   for i in range(config['num_heads']):
     _assert_logits_close(theirs[i], ours[1 + i, 0])
 
 
 def test_sequential_modules_as_deepseek_mtp_layers(exports, reference, oracle):
-  """DeepSeek-V3's MTP layers (`hf_torch_check.deepseek_mtp_logits`), fed h_0 before the final
-  norm, as mtp trains them."""
+  """DeepSeek-V3's MTP layers (`formats_torch_check.deepseek_mtp_logits`), fed h_0 before the
+  final norm, as mtp trains them."""
   loaded, directory, _ = exports['sequential']
   depth = json.loads((directory / 'config.json').read_text())['num_nextn_predict_layers']
   tokens = _tokens(loaded)[0]
   t = tokens.shape[0]
-  theirs = oracle.submit(hf_torch_check.deepseek_mtp_logits, directory, tokens,
+  theirs = oracle.submit(formats_torch_check.deepseek_mtp_logits, directory, tokens,
                          reference['sequential']['hidden'][0]).result()
   ours, _ = _ours(loaded, _tokens(loaded))
   assert theirs.shape[0] == depth
@@ -328,11 +331,12 @@ def test_sequential_modules_as_deepseek_mtp_layers(exports, reference, oracle):
 
 
 def test_parallel_heads_layout(exports, reference, oracle):
-  """parallel_heads/ (`hf_torch_check.parallel_heads_logits`): lm_head(norm_k(layer_k(h_0)))."""
+  """parallel_heads/ (`formats_torch_check.parallel_heads_logits`):
+  lm_head(norm_k(layer_k(h_0)))."""
   loaded, directory, _ = exports['parallel']
   config = json.loads((directory / 'parallel_heads' / 'config.json').read_text())
   assert config['num_heads'] == 3
-  theirs = oracle.submit(hf_torch_check.parallel_heads_logits, directory,
+  theirs = oracle.submit(formats_torch_check.parallel_heads_logits, directory,
                          reference['parallel']['hidden'][0]).result()
   ours, _ = _ours(loaded, _tokens(loaded))
   for k in range(config['num_heads']):
@@ -340,13 +344,13 @@ def test_parallel_heads_layout(exports, reference, oracle):
 
 
 def test_speculative_streaming_layout(exports, oracle):
-  """speculative_streaming/ (`hf_torch_check.streaming_logits`): the streams as its config's
+  """speculative_streaming/ (`formats_torch_check.streaming_logits`): the streams as its config's
   description states them, on transformers' own layer inputs."""
   loaded, directory, _ = exports['streaming']
   config = json.loads((directory / 'speculative_streaming' / 'config.json').read_text())
   assert config['model_type'] == 'mtp_speculative_streaming'
   tokens = _tokens(loaded)[:1]
-  theirs = oracle.submit(hf_torch_check.streaming_logits, directory, tokens).result()
+  theirs = oracle.submit(formats_torch_check.streaming_logits, directory, tokens).result()
   ours, _ = _ours(loaded, tokens)
   for j in range(config['num_streams']):
     _assert_logits_close(theirs[:, j], ours[1 + j, 0])

@@ -1,7 +1,7 @@
 """transformers' side of the SmolLM2 parity checks (`parity_test`), run in a process of its own
-(`mtp.testing.oracle_process`: a test worker that loads torch and then compiles XLA programs is
-where the suite's XLA:CPU crashes fell). Every function takes paths and numpy arrays and returns
-numpy arrays or lists; a model read once stays loaded in the process.
+(`mtp.testing.oracle_process`: test workers never hold torch and its threads beside JAX's).
+Every function takes paths and numpy arrays and returns numpy arrays or lists; a model read
+once stays loaded in the process.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ concatenated states, its one layer over [norm(embedding of token t + 1), norm(fu
 final norm. Writes the drafter's normalised states `normed` [1, T - 1, D] and `logits`.
 
 `eagle3_test` runs it in a child process: a test worker that loads torch and then compiles XLA
-programs is where the suite's XLA:CPU crashes fell (Makefile), and no other test needs torch
+programs was a suspect for the suite's XLA:CPU crashes (Makefile), and no other test needs torch
 there.
 """
 

@@ -1,6 +1,6 @@
 """vLLM's EAGLE drafter forward, written with transformers' Llama layer: the oracle of
-`eagle_test`, run in a process of its own (`mtp.testing.oracle_process`: a test worker that
-loads torch and then compiles XLA programs is where the suite's XLA:CPU crashes fell).
+`eagle_test`, run in a process of its own (`mtp.testing.oracle_process`: test workers never hold
+torch and its threads beside JAX's).
 """
 
 from __future__ import annotations
