@@ -27,6 +27,7 @@ from flax import nnx
 
 import mtp
 from mtp import testing as mtp_testing
+from mtp.export import hf_torch_check
 from mtp.pretrained import parity_torch_check
 from mtp.pretrained import smollm2
 from mtp.pretrained import workdir as workdir_lib
@@ -107,7 +108,7 @@ def test_weights_equal_the_reference_dequantisation(ours, reference, oracle):
 def test_tokenizer_matches(ours, reference, oracle):
   texts = _texts()
   ids = {name: ours.tokenizer.encode(text) for name, text in texts.items()}
-  gguf = oracle.submit(parity_torch_check.tokenizer, reference, texts, ids,
+  gguf = oracle.submit(hf_torch_check.tokenizer, reference, texts, ids,
                        add_special_tokens=False).result()
   # Where no whitespace precedes a digit, transformers' GGUF tokenizer is ours exactly.
   for name, text in texts.items():
@@ -115,7 +116,7 @@ def test_tokenizer_matches(ours, reference, oracle):
       assert gguf['encoded'][name] == ids[name], name
   # transformers' GGUF loader drops SmolLM2's digit split (its tokenizer.json and llama.cpp's
   # 'smollm' split digits first). With that split restored, every text matches exactly.
-  split = oracle.submit(parity_torch_check.tokenizer, reference, texts, ids,
+  split = oracle.submit(hf_torch_check.tokenizer, reference, texts, ids,
                         add_special_tokens=False, digit_split=True).result()
   for name, text in texts.items():
     assert split['encoded'][name] == ids[name], name
@@ -154,7 +155,7 @@ def test_logits_match(ours, reference, oracle):
 def test_greedy_generation_matches(ours, reference, oracle):
   eos = ours.tokenizer.eos_id
   generations = mtp.generate(ours, PROMPTS, max_new_tokens=NEW_TOKENS, decoder='autoregressive')
-  expected = oracle.submit(parity_torch_check.greedy, reference,
+  expected = oracle.submit(hf_torch_check.greedy, reference,
                            [ours.tokenizer.encode(p) for p in PROMPTS], NEW_TOKENS, eos).result()
   for prompt, generation, want in zip(PROMPTS, generations, expected):
     print(f'\n{prompt!r} -> {generation.completion!r}')
@@ -169,7 +170,7 @@ def test_hf_export_of_the_import_is_read_by_transformers(ours, oracle, tmp_path)
   hf.write(ours, tmp_path, np.float32)
   texts = _texts()
   ids = {name: ours.tokenizer.encode(text) for name, text in texts.items()}
-  theirs = oracle.submit(parity_torch_check.tokenizer, tmp_path, texts, ids,
+  theirs = oracle.submit(hf_torch_check.tokenizer, tmp_path, texts, ids,
                          messages=[{'role': 'user', 'content': 'Hi'}]).result()
   assert theirs['encoded'] == ids
   assert theirs['decoded'] == texts
