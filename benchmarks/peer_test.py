@@ -5,7 +5,6 @@ and cached); it is skipped without them. Its mtp side is a tiny model trained fo
 SmolLM2, so only the plumbing is checked, plus exactness of mtp's own decoders.
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -69,9 +68,7 @@ def test_mismatches_name_the_first_difference():
 def test_end_to_end_on_a_tiny_model(tiny_workdir, tmp_path):
   """The benchmark's command in a process of its own, as users run it (it loads torch, which
   test workers never do: tests/collection_test.py)."""
-  for module in ('torch', 'transformers'):
-    if importlib.util.find_spec(module) is None:
-      pytest.skip(f'needs {module}')
+  mtp_testing.require('torch', 'transformers')
   from mtp.pretrained import smollm2
   try:
     gguf = smollm2.fetch_gguf()

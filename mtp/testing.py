@@ -52,6 +52,14 @@ def built_once(name: str, build: Callable[[pathlib.Path], object]) -> pathlib.Pa
   return folder
 
 
+def require(*modules: str) -> None:
+  """Skips the test where one of `modules` is not installed, without importing any."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  missing = [m for m in modules if importlib.util.find_spec(m) is None]
+  if missing:
+    pytest.skip(f'needs {", ".join(missing)}')
+
+
 @contextlib.contextmanager
 def oracle_process(*modules: str) -> Iterator[concurrent.futures.Executor]:
   """A process of its own for a test's reference implementation, which needs `modules` (torch,
@@ -59,10 +67,7 @@ def oracle_process(*modules: str) -> Iterator[concurrent.futures.Executor]:
   never imports them, so it never holds torch's threads beside JAX's (torch was a suspect for
   the suite's XLA:CPU crashes: Makefile). Skips the test where one of `modules` is not
   installed."""
-  import pytest  # pylint: disable=import-outside-toplevel
-  missing = [m for m in modules if importlib.util.find_spec(m) is None]
-  if missing:
-    pytest.skip(f'needs {", ".join(missing)}')
+  require(*modules)
   # Spawned, not forked: a fork of a process running XLA's threads may deadlock.
   with concurrent.futures.ProcessPoolExecutor(
       1, mp_context=multiprocessing.get_context('spawn')) as pool:

@@ -8,10 +8,6 @@ count against XLA's (mtp/train/flops_test.py).
 """
 
 import dataclasses
-import importlib.util
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mtp import testing as mtp_testing
 from mtp.decode import speculative_test as exact_tests
 from mtp.decode import testing as decode_testing
 from mtp.model import heads
 from mtp.model import mtp_model
 from mtp.model import testing
 from mtp.model.heads import eagle
+from mtp.model.heads import eagle3_torch_check
 from mtp.model.heads import eagle_test
 from mtp.train import distill
 from mtp.train import testing as train_testing
@@ -326,10 +324,10 @@ def test_hf_export_matches_vllm_eagle3_in_torch(tmp_path):
   """The whole path: `mtp.export.hf.write` (Llama directory + eagle3/), then transformers' Llama
   of the export gives the auxiliary hidden states (its hidden_states[i] enters layer i, vLLM's
   id i), and vLLM's Eagle3LlamaForCausalLM forward, written with transformers' Llama parts
-  from eagle3/'s tensors (`eagle3_torch_check`, in a child process: torch never loads here),
+  from eagle3/'s tensors (`eagle3_torch_check`, in a process of its own: torch never loads
+  here),
   equals the drafter's depth 1; `import_weights` reads it all back."""
-  if any(importlib.util.find_spec(name) is None for name in ('torch', 'transformers')):
-    pytest.skip('the torch oracle needs torch and transformers')
+  mtp_testing.require('torch', 'transformers')
   import mtp  # pylint: disable=import-outside-toplevel
   from mtp import api  # pylint: disable=import-outside-toplevel
   from mtp.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
@@ -351,13 +349,9 @@ def test_hf_export_matches_vllm_eagle3_in_torch(tmp_path):
   assert sorted(p.name for p in sub.iterdir()) == ['config.json', 'model.safetensors']
 
   tokens = testing.random_tokens((1, 10), config.model.vocab_size, seed=9)
-  np.save(tmp_path / 'tokens.npy', tokens)
-  run = subprocess.run([sys.executable, '-m', 'mtp.model.heads.eagle3_torch_check',
-                        str(tmp_path / 'export'), str(tmp_path / 'tokens.npy'),
-                        str(tmp_path / 'torch.npz')], capture_output=True, text=True,
-                       timeout=600, check=False, cwd=pathlib.Path(__file__).resolve().parents[3])
-  assert run.returncode == 0, run.stderr[-3000:]
-  torch_out = np.load(tmp_path / 'torch.npz')
+  with mtp_testing.oracle_process('torch', 'transformers') as oracle:
+    torch_out = oracle.submit(eagle3_torch_check.drafter_outputs, tmp_path / 'export',
+                              tokens).result()
   assert list(torch_out['aux_ids']) == [0, 1, 2]
   expected = model(jnp.asarray(tokens), _positions(1, 10))  # [K+1, 1, T, D]
   np.testing.assert_allclose(torch_out['normed'], np.asarray(expected[1, :, :9]), atol=1e-4)

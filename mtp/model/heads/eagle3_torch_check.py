@@ -9,9 +9,8 @@ Eagle3LlamaForCausalLM's forward written with transformers' Llama parts: `fc` ov
 concatenated states, its one layer over [norm(embedding of token t + 1), norm(fused)], and the
 final norm. Writes the drafter's normalised states `normed` [1, T - 1, D] and `logits`.
 
-`eagle3_test` runs it in a child process: a test worker that loads torch and then compiles XLA
-programs was a suspect for the suite's XLA:CPU crashes (Makefile), and no other test needs torch
-there.
+`eagle3_test` runs `drafter_outputs` in a process of its own (`mtp.testing.oracle_process`), as
+every torch oracle runs.
 """
 
 from __future__ import annotations
