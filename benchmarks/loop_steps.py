@@ -3,10 +3,12 @@ r"""What each kind of `auto` step costs on the compiled decode loop, beside an i
   python -m benchmarks.loop_steps --workdir=workdirs/smollm2_demo --dtype=bfloat16
   python -m benchmarks.loop_steps --workdir=workdirs/smollm2_demo --batch_sizes=4 --repeats=9
   python -m benchmarks.loop_steps --batch_sizes=4 --exact --max_new_tokens=8064  # A server's.
+  python -m benchmarks.loop_steps --batch_sizes=8 --sampled  # Rows that sample.
 
 For each batch size, on held-out code prompts (`heldout_prompts`), the `auto` engine that
-`mtp.generate` resolves for greedy rows, and each kind of its steps (0: one token; k: the block
-of its first k drafters):
+`mtp.generate` resolves for greedy rows (or, with --sampled, for rows that sample, timed on rows
+at `engine.SAMPLED_TIMING`'s temperature and top-p), and each kind of its steps (0: one token;
+k: the block of its first k drafters):
   * ms per step on the loop that decodes (`Engine.seconds_per_step`: the kind forced, rows
     never stopping), the fastest of --repeats runs of --steps steps, kinds taking turns;
   * ms per step of `cost_model.measure_step_cost`'s isolated loop over the same block: its
@@ -42,6 +44,8 @@ flags.DEFINE_integer('repeats', 5, 'Timed runs of each kind (the fastest counts)
 flags.DEFINE_bool('exact', False, "Rows mapped one by one, as the server's --exact decodes "
                   'them in float32 and off CPU (else one shared batch, as mtp.generate and the '
                   'server in bfloat16 on CPU decode them).')
+flags.DEFINE_bool('sampled', False, 'Time rows that sample (`engine.SAMPLED_TIMING`), on the '
+                  'engine that serves them, rather than greedy rows.')
 flags.DEFINE_string('output', 'results/loop_steps.json', 'JSON results.')
 
 
@@ -58,13 +62,14 @@ def measure_batch(loaded, prompts: list[str], batch_size: int) -> list[dict]:
       vocab_size=loaded.model.cfg.trunk.vocab_size)
   engine = plan_lib.resolve(loaded, 'auto', max_new_tokens=FLAGS.max_new_tokens,
                             prompt_width=padded.shape[1], batch_size=batch_size,
-                            greedy_only=True, calibration=(padded, lengths),
+                            greedy_only=not FLAGS.sampled, calibration=(padded, lengths),
                             exact=FLAGS.exact)
   kinds = range(engine.plan.num_kinds + 1)
   nodes = {k: engine.plan.block(k)[0].num_nodes for k in kinds}
 
   def loop_seconds(kind):
-    return engine.seconds_per_step(padded, lengths, kind=kind, steps=FLAGS.steps)
+    return engine.seconds_per_step(padded, lengths, kind=kind, steps=FLAGS.steps,
+                                   sampled=FLAGS.sampled)
 
   for kind in kinds:  # Compiled once (each kind is data of one compiled loop) and warm.
     loop_seconds(kind)
@@ -94,6 +99,7 @@ def main(argv):
                                     FLAGS.prompt_tokens)
   rows = [row for b in batch_sizes for row in measure_batch(loaded, prompts, b)]
   print(f'{FLAGS.workdir} ({FLAGS.dtype}, {"mapped rows" if FLAGS.exact else "shared batch"}, '
+        f'{"sampled" if FLAGS.sampled else "greedy"} rows, '
         f'{FLAGS.max_new_tokens} new tokens): ms per step of each kind, held-out code')
   print(f'{"batch":>5} {"kind":>4} {"nodes":>5} {"tokens":>6} {"loop ms":>8} {"isolated ms":>11} '
         f'{"loop / kind 0":>13} {"isolated / T1":>13}')
@@ -104,6 +110,7 @@ def main(argv):
   path = pathlib.Path(FLAGS.output)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(dict(workdir=FLAGS.workdir, dtype=FLAGS.dtype, exact=FLAGS.exact,
+                                  sampled=FLAGS.sampled,
                                   max_new_tokens=FLAGS.max_new_tokens, rows=rows),
                              indent=1) + '\n')
   print(f'wrote {path}')

@@ -76,8 +76,9 @@ _TABLE = 'break_even.json'
 # Bumped when the way break-evens are timed changes (a change in what steps cost bumps
 # `cost_model.STEPS_VERSION`), so that older measurements are not reused. 14: a branching
 # block reads Attention's own keys, rounded by `kv_cache.rounded`, and mapped rows no longer
-# copy their cache in its step (12 read them with their rounding left to a conversion).
-_LOOP_VERSION = 14
+# copy their cache in its step (12 read them with their rounding left to a conversion). 15:
+# sampled rows' steps shape only the nodes they reach and draw by inverse CDF (`sampling`).
+_LOOP_VERSION = 15
 
 
 @flax.struct.dataclass

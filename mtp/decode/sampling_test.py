@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from mtp.decode import dynamic_trees
 from mtp.decode import sampling
 from mtp.decode import trees
 
@@ -567,6 +568,100 @@ def test_rejection_tree_outputs():
   path, n, nxt = _rejection_tree(_key(0), root, tokens[:, :1], probs[:, :1])
   np.testing.assert_array_equal(path, 0)
   np.testing.assert_array_equal(n, 0)
+
+
+def test_draws_follow_the_weights_across_blocks_and_never_pick_a_zero():
+  """The inverse-CDF draw over blocks of ids: unnormalised weights, a last block cut short,
+  blocks and ids of zero weight (never drawn), a row with one id of weight."""
+  v = 2 * sampling._DRAW_BLOCK + 100
+  rng = np.random.default_rng(0)
+  weights = rng.random(v) * 3
+  weights[rng.random(v) < 0.5] = 0  # Zero ids inside blocks...
+  weights[:sampling._DRAW_BLOCK] = 0  # ...a whole block of them...
+  weights[-1] = 2.0  # ...and the very last id.
+  draws = _vmapped(lambda _, key, w: sampling._sample_from_probs(
+      sampling.row_keys(key, ROWS), jnp.tile(w, (ROWS, 1))), jnp.asarray(weights, jnp.float32))
+  assert _chisquare_p(draws, weights / weights.sum()) > PASS_P
+  wrong = np.roll(weights, 1)  # Off by one id.
+  assert _chisquare_p(draws, wrong / wrong.sum()) < FAIL_P
+  single = np.zeros((3, v), np.float32)
+  single[[0, 1, 2], [0, v - 1, 300]] = [1e-30, 5.0, 1.0]
+  np.testing.assert_array_equal(
+      jax.jit(sampling._sample_from_probs)(sampling.row_keys(_key(1), 3), single), [0, v - 1, 300])
+
+
+def _per_try_reference(rng, tree, node_tokens, target_probs):
+  """Rejection sampling on a tree, one child test per row and step over every node's target
+  computed beforehand (the sampler's earlier form): what `accept` must draw for sampled rows."""
+  b, _, v = target_probs.shape
+  rows = dynamic_trees.as_rows(tree, b)
+  key_u, key_s = sampling.split_rows(sampling.row_keys(rng, b))
+  u = jax.vmap(lambda key: jax.random.uniform(key, (max(rows.max_tries, 1),)))(key_u).T
+  batch = jnp.arange(b)
+
+  def body(i, state):
+    cur, slot, p = state
+    c = jnp.maximum(rows.children[batch, cur, jnp.minimum(slot, rows.max_children - 1)], 0)
+    has_child = slot < rows.num_children[batch, cur]
+    x = node_tokens[batch, c]
+    q = (jnp.arange(v) == x[:, None]).astype(jnp.float32)
+    p_x = jnp.take_along_axis(p, x[:, None], 1)[:, 0]
+    acc = has_child & sampling._accept(u[i], p_x, jnp.ones_like(p_x))
+    rej = has_child & ~acc
+    p = jnp.where(acc[:, None], target_probs[batch, c],
+                  jnp.where(rej[:, None], sampling._residual(p, q), p))
+    return (jnp.where(acc, c, cur),
+            jnp.where(acc, 0, jnp.where(has_child, slot + rej, rows.max_children + 1)), p)
+
+  cur, _, p = jax.lax.fori_loop(0, rows.max_tries, body,
+                                (jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32),
+                                 target_probs[:, 0]))
+  return rows.depth[batch, cur], sampling._sample_from_probs(key_s, p)
+
+
+@pytest.mark.parametrize('shape', ['medusa', 'chain'])
+def test_accept_draws_what_a_walk_over_every_nodes_target_draws(shape):
+  """`accept` shapes only the nodes a sampled row reaches; it must draw, row for row and key
+  for key, what rejection sampling over every node's target draws, whatever the row's settings
+  (greedy rows: the greedy rule)."""
+  tree = trees.medusa_default_tree() if shape == 'medusa' else trees.chain_tree(5)
+  b, v = 12, 50
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.normal(size=(b, tree.num_nodes, v)) * 3, jnp.float32)
+  # Drafts the target often agrees with, so that walks go deep.
+  tokens = np.asarray(_distinct_sibling_tokens(rng, tree, b, v))
+  best = np.asarray(jnp.argmax(logits, -1))
+  for n in range(1, tree.num_nodes):
+    if tree.children[tree.parent[n]][0] == n:
+      tokens[:, n] = np.where(rng.random(b) < 0.7, best[:, tree.parent[n]], tokens[:, n])
+  tokens = jnp.asarray(tokens)
+
+  class Settings:
+    temperature = jnp.array([0, 0.3, 0.7, 1.0, 1.3, 0.9, 0, 1.0, 0.5, 1.0, 0.8, 2.0])
+    top_k = jnp.array([0, 0, 0, 5, 0, 3, 0, 0, 2, 0, 0, 10])
+    top_p = jnp.array([1, 1, 0.9, 1, 0.8, 1, 0.5, 0.95, 1, 0.3, 1, 0.99])
+
+  sampled = np.asarray(Settings.temperature) > 0
+  accept = jax.jit(lambda key: sampling.accept(
+      sampling.row_keys(key, b), tree, tokens, logits, Settings, active=jnp.ones(b, bool)))
+  probs = jax.jit(sampling.target_probs)(logits, Settings.temperature[:, None],
+                                         Settings.top_k[:, None], Settings.top_p[:, None])
+  reference = jax.jit(lambda key: _per_try_reference(sampling.row_keys(key, b), tree, tokens,
+                                                     probs))
+  if tree.is_chain:  # Chains have a vectorised form of their own.
+    reference = jax.jit(lambda key: sampling.rejection_accept_chain(
+        sampling.row_keys(key, b), tokens[:, 1:], None, probs))
+  greedy = _greedy_tree(tree, tokens, logits)
+  depths = []
+  for seed in range(40):
+    _, num, nxt = map(np.asarray, accept(_key(seed)))
+    want_num, want_next = map(np.asarray, reference(_key(seed)))
+    np.testing.assert_array_equal(num[sampled], want_num[sampled])
+    np.testing.assert_array_equal(nxt[sampled], want_next[sampled])
+    np.testing.assert_array_equal(num[~sampled], np.asarray(greedy[1])[~sampled])
+    np.testing.assert_array_equal(nxt[~sampled], np.asarray(greedy[2])[~sampled])
+    depths.append(num[sampled])
+  assert np.max(depths) >= 3 and np.min(depths) == 0  # Deep walks and early stops both ran.
 
 
 @pytest.mark.parametrize('vocab', [61, 4099, 49152])
