@@ -305,23 +305,48 @@ def test_a_servers_batch_drafts_only_where_the_batch_gains():
   everyone = jnp.ones((3,), bool)
   ready = jnp.ones((3, 1), bool)
   remaining = jnp.asarray([50, 10, 10])
-  costs = jnp.asarray([[2.0], [2.5], [2.5]])
-  state = policy.start(costs, jnp.asarray([1024] * 3))
+  costs = jnp.asarray([[2.0], [2.5]])  # Greedy rows', sampled rows' break-evens.
+  mixed = jnp.asarray([True, False, False])
+  greedy = jnp.ones((3,), bool)
+  state = policy.start(policy.row_costs(costs, mixed), jnp.asarray([1024] * 3))
   # Row 0's heads pay for it (3 tokens a step against 2.0); rows 1 and 2 want none.
   state = state.replace(pays=jnp.asarray([[True], [False], [False]]),
                         tokens=jnp.asarray([[6], [0], [0]]), steps=jnp.asarray([[2], [0], [0]]))
-  args = (state, ready, everyone)
-  mixed = jnp.asarray([True, False, False])
-  # Sampled rows 1 and 2 would pay the block for nothing: (3 + 1 + 1) / 7 < 3 / 3.
-  assert int(policy.choose(*args, mixed, remaining, jnp.int32(-1), costs)[0]) == 0
-  assert int(offline.choose(*args, mixed, remaining, jnp.int32(-1), costs)[0]) == 1
-  # Greedy rows without an account of their own are neutral: (3 + 2.5 + 2.5) / 7 >= 1.
-  greedy = jnp.ones((3,), bool)
-  assert int(policy.choose(*args, greedy, remaining, jnp.int32(-1), costs)[0]) == 1
+  def choose(judge, rows, state=state):
+    return judge.choose(state, ready, everyone, rows, remaining, jnp.int32(-1),
+                        judge.row_costs(costs, rows))
+
+  # Sampled rows 1 and 2 would pay the block for nothing: (3 + 1 + 1) / (2 + 2.5 + 2.5) < 1.
+  assert int(choose(policy, mixed)[0]) == 0
+  assert int(choose(offline, mixed)[0]) == 1
+  # Greedy rows without an account of their own are neutral: (3 + 2 + 2) / 6 >= 1.
+  assert int(choose(policy, greedy)[0]) == 1
   # A sampled row that wants the block sets the floor, whatever the batch gains.
   wanting = state.replace(pays=jnp.asarray([[False], [True], [False]]))
-  kind, row_kind = policy.choose(wanting, ready, everyone, mixed, remaining, jnp.int32(-1), costs)
+  kind, row_kind = choose(policy, mixed, wanting)
   assert int(kind) == 1 and np.asarray(row_kind).tolist() == [1, 1, 0]
+
+
+def test_a_servers_sampled_rows_draft_only_where_they_pay_for_the_batch():
+  """Under `throughput` a sampled row's kind runs for every row of the batch, so its drafts
+  must pay for the whole block: 3 tokens a step pay against its break-even 2.5, not against
+  1 + 3 x 1.5 = 5.5 at 3 rows. Greedy rows keep theirs; the block still costs what it does."""
+  policy = auto.AutoPolicy(num_kinds=1, least_probe=(1,), throughput=True)
+  offline = dataclasses.replace(policy, throughput=False)
+  costs = jnp.asarray([[2.0], [2.5]])  # Greedy rows', sampled rows'.
+  greedy = jnp.asarray([True, False, False])
+  np.testing.assert_allclose(policy.row_costs(costs, greedy), [[2.0], [5.5], [5.5]])
+  np.testing.assert_allclose(policy.block_costs(policy.row_costs(costs, greedy), greedy),
+                             offline.row_costs(costs, greedy))
+  for judge, sampled_row_drafts in ((offline, True), (policy, False)):
+    rows = judge.row_costs(costs, greedy)
+    state = judge.start(rows, jnp.asarray([100_000] * 3)).replace(
+        pays=jnp.asarray([[False], [True], [False]]))
+    for _ in range(auto.MOST_PROBE + 1):  # Row 1 makes 3 tokens in each step of the kind.
+      state = judge.observe(state, rows, jnp.asarray([0, 1, 0]), jnp.asarray([1, 3, 1]),
+                            jnp.ones((3,), jnp.int32))
+    wants = np.asarray(judge.wants(state, jnp.ones((3, 1), bool), rows))
+    assert wants.tolist() == [0, int(sampled_row_drafts), 0]
 
 
 def test_each_kind_stops_paying_on_its_own_per_row():
