@@ -312,9 +312,10 @@ def test_a_servers_batch_drafts_only_where_the_batch_gains():
   # Row 0's heads pay for it (3 tokens a step against 2.0); rows 1 and 2 want none.
   state = state.replace(pays=jnp.asarray([[True], [False], [False]]),
                         tokens=jnp.asarray([[6], [0], [0]]), steps=jnp.asarray([[2], [0], [0]]))
-  def choose(judge, rows, state=state):
-    return judge.choose(state, ready, everyone, rows, remaining, jnp.int32(-1),
-                        judge.row_costs(costs, rows))
+
+  def choose(judge, greedy_rows, state=state):
+    return judge.choose(state, ready, everyone, greedy_rows, remaining, jnp.int32(-1),
+                        judge.row_costs(costs, greedy_rows))
 
   # Sampled rows 1 and 2 would pay the block for nothing: (3 + 1 + 1) / (2 + 2.5 + 2.5) < 1.
   assert int(choose(policy, mixed)[0]) == 0

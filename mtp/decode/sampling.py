@@ -515,22 +515,23 @@ def _walk(rng, rows: dynamic_trees.RowTrees, node_tokens: jnp.ndarray,
     return (slot + 1, cur, test_count + has_child, testing & rej, jnp.where(acc, c, chosen), p)
 
   def level(state):
-    cur, test_count, walking, p = state
+    """Rows that arrived at their node take its target (traced once: the programs stay small),
+    then try its children; those that accepted one arrive there."""
+    cur, test_count, arrived, p = state
+    p = jnp.where(arrived[:, None], probs_at(cur), p)
+    if not rows.max_children:
+      return cur, test_count, jnp.zeros_like(arrived), p
     moved_to = jnp.full((b,), -1, jnp.int32)
     _, _, test_count, _, moved_to, p = jax.lax.while_loop(
         lambda state: (state[0] < rows.max_children) & jnp.any(state[3]), test,
-        (0, cur, test_count, walking, moved_to, p))
+        (0, cur, test_count, arrived, moved_to, p))
     moved = moved_to >= 0
-    cur = jnp.where(moved, moved_to, cur)
-    p = jax.lax.cond(jnp.any(moved), lambda: jnp.where(moved[:, None], probs_at(cur), p),
-                     lambda: p)
-    return cur, test_count, moved, p
+    return jnp.where(moved, moved_to, cur), test_count, moved, p
 
   cur = jnp.zeros((b,), jnp.int32)
-  state = (cur, jnp.zeros((b,), jnp.int32), walking, probs_at(cur))
-  if rows.max_children:
-    state = jax.lax.while_loop(lambda state: jnp.any(state[2]), level, state)
-  cur, _, _, p = state
+  p = jnp.zeros(jax.eval_shape(probs_at, cur).shape, jnp.float32)
+  cur, _, _, p = jax.lax.while_loop(lambda state: jnp.any(state[2]), level,
+                                    (cur, jnp.zeros((b,), jnp.int32), walking, p))
   return _tree_result(rows, cur, _sample_from_probs(key_s, p))
 
 
