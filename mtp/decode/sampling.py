@@ -584,9 +584,9 @@ def accept(keys: jax.Array, tree: trees_lib.Tree | dynamic_trees.RowTrees,
 
     def sampled():  # Only the nodes where a sampled row stands are shaped.
       return _walk(keys, dynamic_trees.as_rows(tree, b), node_tokens,
-                  lambda node: target_probs(kv_cache_lib.gather_rows(logits, node),
-                                            *settings_now), enabled=enabled,
-                  walking=sampled_rows)
+                   lambda node: target_probs(kv_cache_lib.gather_rows(logits, node),
+                                             *settings_now),
+                   enabled=enabled, walking=sampled_rows)
 
     def mixed():
       path, num, nxt = sampled()
@@ -601,8 +601,7 @@ def accept(keys: jax.Array, tree: trees_lib.Tree | dynamic_trees.RowTrees,
       return jax.lax.cond(jnp.any(active & greedy_rows), with_greedy_rows,
                           lambda: (path, num, nxt))
 
-    path, num_accepted, next_token = jax.lax.cond(
-        jnp.any(sampled_rows), mixed, greedy)
+    path, num_accepted, next_token = jax.lax.cond(jnp.any(sampled_rows), mixed, greedy)
   if chain:
     return path, num_accepted, next_token
   last_node = kv_cache_lib.gather_rows(path, num_accepted)
