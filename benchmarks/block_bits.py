@@ -12,9 +12,12 @@ continuation's tokens on the path and random tokens elsewhere, and the path's no
 with the steps. Prints the paths whose nodes part, and at which depths; exits 1 if any do.
 
 Found this way (2026-12-07, 2 AVX512-BF16 cores without AMX, jax 0.10.2): SmolLM2's block of
-a heads' chain of 4 beside a lookup chain of 8 parted at depths 2-4 of the heads' chain, and
-greedy `auto` in `make demo` decoded 1 of 8 held-out code prompts otherwise than
-autoregressive decoding (earlier machines, with AMX, matched every prompt).
+a heads' chain of 4 beside a lookup chain of 8 parted at depths 1-4 of the heads' chain (6 of
+13 paths over 2 prompts and 4 offsets), and greedy `auto` in `make demo` decoded 1 of 8
+held-out code prompts otherwise than autoregressive decoding. The cause: the heads' nodes,
+gathered into logical order, took their scores over the block's 13 keys in a product XLA:CPU
+ran in float32 code of its own, not in the chunks' bfloat16 kernel (`kv_cache._block_scores`
+now pads the keys to a chunk). After that change, none of those paths parts.
 """
 
 from __future__ import annotations

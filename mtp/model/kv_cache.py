@@ -411,7 +411,7 @@ def _logical_chunks(q: jax.Array, keys, values, lengths: jax.Array, block_mask: 
     else:  # As the cache holds them: the same bits, rounded explicitly (see `attend`).
       block_keys, block_values = (stored(jnp.swapaxes(rounded(x), 1, 2), buffer.dtype)
                                   for x, buffer in zip(block, (keys, values)))
-    return order, _shared_scores(q_lagging, block_keys), block_values
+    return order, _block_scores(q_lagging, block_keys), block_values
 
   # Only a block out of logical order reads them: a one-token step never (static), a prefill
   # chunk or a chain skips the sort and the products (2-3% of a long prompt's prefill).
@@ -484,6 +484,18 @@ def _shared_scores(q: jax.Array, keys: jax.Array) -> jax.Array:
   scores = jnp.einsum('bgmd,bgcd->bgmc', products.padded_rows(rows, 2), loaded(keys, q.dtype),
                       preferred_element_type=jnp.float32)[:, :, :t * (h // g)]
   return scores.reshape(b, g, t, h // g, -1) * d ** -0.5
+
+
+def _block_scores(q: jax.Array, keys: jax.Array) -> jax.Array:
+  """`_shared_scores` of q over the block's N keys [B, G, N, d], the keys padded with zeros to
+  whole chunks so that the product has a chunk's shape and runs in its kernel. XLA:CPU hands a
+  bfloat16 product to its half-precision kernel (XNNPACK) only where it would call a library
+  at all: a few queries by 13 keys it ran as float32 loops of its own, from queries it had not
+  rounded (excess precision), and their scores parted from the chunks' in their last bits
+  (`benchmarks/block_bits.py`). Returns [B, G, T, R, N]."""
+  n = keys.shape[2]
+  padded = jnp.pad(keys, ((0, 0), (0, 0), (0, -n % CHUNK), (0, 0)))
+  return _shared_scores(q, padded)[..., :n]
 
 
 def _shared_weighted(p: jax.Array, values: jax.Array, dtype) -> jax.Array:
