@@ -50,13 +50,24 @@ from mtp.decode import streaming
 from mtp.model import products
 from mtp.serving import schemas
 
-# Loop steps per host round trip of a batch no row of which streams, whatever its decoder: at
-# 4 (the drafting decoders' streaming default) `auto` served 32 clients of the demo model a
-# third slower than `autoregressive` at 16; at 16 both, equally. Waiting requests join between
-# chunks, so a longer chunk delays them.
+# Loop steps per host round trip of a full batch no row of which streams, whatever its decoder:
+# at 4 (the drafting decoders' streaming default) `auto` served 32 clients of the demo model a
+# third slower than `autoregressive` at 16; at 16 both, equally.
 STEPS_PER_CHUNK = 16
+# The same while a row is free: requests join between chunks, so one that arrives mid-chunk
+# waits for the chunk's end (at 16 steps, about a second of SmolLM2 on 2 CPU cores).
+STEPS_WHILE_A_ROW_IS_FREE = 4
 # Prompts that `auto` times its break-evens on at start: a typical context, not the longest.
 _CALIBRATION_TOKENS = 256
+
+
+def _chunk_steps(streams: bool, row_free: bool, steps_per_chunk: int | None) -> int:
+  """Loop steps in a batch's next chunk: one while a row streams (a stream shows every
+  verification step), else `steps_per_chunk` if set, else fewer while a row is free, so that a
+  request arriving mid-chunk joins sooner."""
+  if streams:
+    return 1
+  return steps_per_chunk or (STEPS_WHILE_A_ROW_IS_FREE if row_free else STEPS_PER_CHUNK)
 
 
 def _prefills_apart(joining: int, max_batch: int) -> bool:
@@ -185,7 +196,8 @@ class Batcher:
     exact: every row decodes a batch of one's tokens: rows share the batch where the products
       are row-invariant, else they are mapped one by one (`row_mapped`; the module docstring).
     steps_per_chunk: loop steps between host round trips for batches no row of which streams
-      (None: `STEPS_PER_CHUNK`); streaming rows get one step per chunk.
+      (None: `STEPS_PER_CHUNK`, `STEPS_WHILE_A_ROW_IS_FREE` while a row is free); streaming
+      rows get one step per chunk.
     tree, tree_budget: the drafting decoders' heads' tree (`plan.resolve`'s options).
     max_logprobs: alternatives per token a request may ask for (-1: no logprobs at all).
   """
@@ -444,9 +456,8 @@ class Batcher:
       jobs = [r.job for r in lane.live]
       if self.fault is not None:
         self.fault(jobs)
-      # Streams show every verification step: one step per chunk while a row streams.
-      steps = 1 if any(j.options.stream for j in jobs) else (
-          self.steps_per_chunk or STEPS_PER_CHUNK)
+      steps = _chunk_steps(any(j.options.stream for j in jobs), bool(lane.free()),
+                           self.steps_per_chunk)
       # A chunk ends where a row ends: its answer goes out and its row is free at once.
       lane.state = lane.engine.step(lane.state, steps, until_a_row_ends=True)
       self._emit(lane, lane.engine.result(lane.state, self.tokenizer.pad_id or 0))

@@ -26,6 +26,18 @@ def test_stop_text_holds_back_what_could_become_a_stop_sequence():
   assert late.push('', final=True) == ('z', False)  # The end releases what was held.
 
 
+def test_a_batch_with_a_free_row_takes_shorter_chunks():
+  """Requests join between chunks: while a row is free, chunks are short so that one arriving
+  mid-chunk waits less; a full batch takes long ones (fewer host round trips); a stream takes
+  one step; a steps_per_chunk set by the server's owner holds either way."""
+  steps = batcher_lib._chunk_steps
+  assert steps(False, True, None) == batcher_lib.STEPS_WHILE_A_ROW_IS_FREE
+  assert steps(False, False, None) == batcher_lib.STEPS_PER_CHUNK
+  assert batcher_lib.STEPS_WHILE_A_ROW_IS_FREE < batcher_lib.STEPS_PER_CHUNK
+  assert steps(True, False, None) == steps(True, True, 8) == 1
+  assert steps(False, True, 8) == steps(False, False, 8) == 8
+
+
 def test_exact_rows_share_the_batch_where_products_are_row_invariant(tiny_workdir):
   """In bfloat16 on CPU a row's products have the same bits in any batch (`products`): there the
   exact server shares one batch instead of mapping rows one by one (float32 still maps them),
