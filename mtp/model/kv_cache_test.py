@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mtp.model import kv_cache
+from mtp.model import testing
 
 
 def _mask(parents):
@@ -158,9 +159,9 @@ def test_every_product_of_a_tree_block_takes_the_chunks_half_precision_kernel(ba
             spec(batch, t, groups, dim), cache, cache, spec(batch, dtype=jnp.int32))
 
   one_token = jax.jit(functools.partial(step, mask=np.ones((1, 1), bool))).lower(*args(1))
-  if _float32_products(one_token.compile().as_text()):
+  if _float32_products(one_token.compile(testing.DECODING_COMPILE).as_text()):
     pytest.skip('this CPU runs no bfloat16 product in half precision (AVX512-BF16)')
   t = len(mask)
   program = (jax.jit(functools.partial(step, mask=mask)) if known else
              jax.jit(step)).lower(*args(t), *([] if known else [spec(t, t, dtype=bool)]))
-  assert _float32_products(program.compile().as_text()) == []
+  assert _float32_products(program.compile(testing.DECODING_COMPILE).as_text()) == []

@@ -8,6 +8,10 @@ from flax import nnx
 from mtp.model import mtp_model
 from mtp.model import transformer
 
+# XLA's defaults, under which decoding runs, over the suite's fast flags (conftest): compile a
+# program with these where a test reads what XLA made of it.
+DECODING_COMPILE = {'xla_backend_optimization_level': 3, 'xla_cpu_use_fusion_emitters': True}
+
 
 def tiny_config(mtp_num_heads: int = 3, head_type: str = 'medusa', vocab_size: int = 61,
                 num_layers: int = 2, tie_embeddings: bool = True) -> mtp_model.ModelConfig:

@@ -15,9 +15,9 @@ from mtp.model import testing
 from mtp.model import transformer
 
 
-# XLA's defaults, under which decoding runs, over the suite's fast flags (conftest): without
-# the fusion emitters XLA hoists nothing out of a loop, so a test of what it hoists sees nothing.
-DECODING_COMPILE = {'xla_backend_optimization_level': 3, 'xla_cpu_use_fusion_emitters': True}
+# Without the fusion emitters XLA hoists nothing out of a loop, so a test of what it hoists
+# sees nothing under the suite's fast flags.
+DECODING_COMPILE = testing.DECODING_COMPILE
 
 
 def _positions(b, t, start=0):
