@@ -115,6 +115,6 @@ def test_init_from_reads_a_trunk_of_the_other_layout(workdirs):
   unrolled, scanned = workdirs
   config = train_testing.tiny_config(**{'init_from': str(scanned), 'model.mtp_num_heads': 1})
   trainer = step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:1]))
-  params = init_lib.with_pretrained_trunk(trainer.init_state().params, scanned, trainer)
+  params = trainer.init_state(trunk=init_lib.pretrained_trunk(scanned, trainer)).params
   want = nnx.to_pure_dict(nnx.state(mtp.load(unrolled).model.trunk))
   jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(params)['trunk'], want)

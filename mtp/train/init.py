@@ -47,10 +47,11 @@ def initial_state(config: ml_collections.ConfigDict, workdir: pathlib.Path,
                                 params=params, opt_state=opt_state)
     logging.info('Resumed from step %d in %s.', start_step, workdir)
     return state, start_step
-  state = trainer.init_state()
   if config.get('init_from'):
-    state = state.replace(params=with_pretrained_trunk(state.params, config.init_from, trainer))
+    state = trainer.init_state(trunk=pretrained_trunk(config.init_from, trainer))
     logging.info('Initialised the trunk from %s.', config.init_from)
+  else:
+    state = trainer.init_state()
   if heads is not None:
     state = state.replace(params=param_tree.replace(state.params, heads))
     logging.info('Initialised the heads from %s.', config.init_heads_from)
@@ -79,16 +80,16 @@ def pretrained_heads(config: ml_collections.ConfigDict, trainer: step_lib.Traine
   return heads
 
 
-def with_pretrained_trunk(params: nnx.State, source: str | pathlib.Path,
-                          trainer: step_lib.Trainer) -> nnx.State:
-  """`params` with the trunk replaced by the one in workdir `source` (its latest step).
+def pretrained_trunk(source: str | pathlib.Path, trainer: step_lib.Trainer) -> nnx.State:
+  """The trunk of workdir `source` (its latest step), placed with the trainer's shardings, for
+  `trainer.init_state(trunk=...)`.
 
   The source may have other heads or none; its trunk must have the same shape.
   """
   check_same_trunk(source, trainer)
   target = trainer.abstract_state_with_shardings().params
   trunk, _ = checkpointing.restore_params(source, target, parts=[param_tree.TRUNK])
-  return param_tree.replace(params, trunk)
+  return trunk
 
 
 def check_same_trunk(source: str | pathlib.Path, trainer: step_lib.Trainer) -> None:

@@ -56,3 +56,24 @@ def test_a_batch_holds_exactly_the_configured_fields():
   assert jax.tree.structure(plain) != jax.tree.structure(distilled)
   with pytest.raises(KeyError, match='trunk_hidden'):
     step_lib.Batch.from_arrays(arrays, ('trunk_hidden',), mesh)
+
+
+def test_a_state_from_a_given_trunk_is_the_fresh_state_with_that_trunk():
+  """`init_state(trunk=...)` (a run from a pretrained trunk) gives exactly what drawing every
+  parameter and then replacing the trunk gave: the heads' draws, the trunk, the optimizer
+  state, the shardings; without drawing that trunk (XLA drops the dead draw)."""
+  from mtp.checkpoint import param_tree  # pylint: disable=import-outside-toplevel
+  config = trainer_test._config(**{'model.mtp_head_type': 'parallel', 'model.vocab_size': 32})
+  trainer = step_lib.Trainer(config, trainer_test._single_device_mesh())
+  fresh = trainer.init_state()
+  shardings = jax.tree.map(lambda x: x.sharding, fresh)
+  other = jax.tree.map(lambda x: x + 1, param_tree.select(fresh.params, [param_tree.TRUNK]))
+  want = jax.device_get(fresh.replace(params=param_tree.replace(fresh.params, other)))
+  got = trainer.init_state(trunk=other)  # Donates `other`: the trunk is not copied.
+  chex.assert_trees_all_equal(jax.device_get(got), want)
+  assert jax.tree.map(lambda x: x.sharding, got) == shardings
+  # The trunk's draws are dead code: fewer of threefry's xors are left in the program.
+  # pylint: disable=protected-access
+  on_trunk = trainer._init_on_trunk.lower(param_tree.select(got.params, [param_tree.TRUNK]))
+  drawn_all = trainer._init_compiled.as_text().count(' xor(')
+  assert 0 < on_trunk.compile().as_text().count(' xor(') < drawn_all

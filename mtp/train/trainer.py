@@ -193,8 +193,8 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path,
   # A fresh run's starting heads are restored now: a misfit costs no trunk pass.
   heads = init.pretrained_heads(config, trainer, workdir)
   if distill.uses_trunk_cache(config):
-    base_params = functools.cache(lambda: init.with_pretrained_trunk(
-        trainer.init_state().params, config.init_from, trainer))
+    base_params = functools.cache(lambda: trainer.init_state(
+        trunk=init.pretrained_trunk(config.init_from, trainer)).params)
     train_arrays = distill.with_trunk_cache(config, workdir, trainer, train_arrays, base_params)
     if config.distill.targets == 'rollout' and config.eval_steps:
       # Held-out continuations: the eval metrics then measure what decoding will accept.
