@@ -195,10 +195,12 @@ from mtp.decode import plan
 
 # Measured on held-out code once per set of weights, then read from the measurement cache.
 accuracies = calibration.workdir_accuracies(heads)
-# The tree 'auto tree' decoded with above: sized by this machine's cost of whole drafting steps
-# (measured by that run, then read from the cache); kind 1 is the heads' drafter alone.
-tree = plan.resolve(heads, 'auto', max_new_tokens=NEW_TOKENS, tree='auto',
-                    lookup=0).plan.block(1)[0]
+# The tree 'auto tree' decoded with above, resolved with its options: sized by this machine's
+# cost of whole drafting steps (measured by that run, read here from the cache); kind 1 is the
+# heads' drafter alone (kind 2 adds prompt lookup's chain beside it).
+longest_prompt = max(len(heads.tokenizer.encode(p)) for p in prompts)
+tree = plan.resolve(heads, 'auto', max_new_tokens=NEW_TOKENS, prompt_width=longest_prompt,
+                    greedy_only=True, tree='auto').plan.block(1)[0]
 print('top-k accuracy of each head (rows: heads 1..K, columns: rank 0..3):')
 print(accuracies.round(3))
 fig = plotting.tree_picture(tree, f'The auto tree of {MODEL} on {HARDWARE}', accuracies)
