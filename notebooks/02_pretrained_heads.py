@@ -143,11 +143,12 @@ plt.show()
 # ## Race the decoders on code the heads never saw
 # Greedy, batch 1, on the first lines of installed packages outside the standard library.
 # * **autoregressive**: one forward pass per token.
-# * **heads, chain**: each head's top-1 token, verified in one pass.
-# * **heads + lookup**: the chain, plus 8 tokens copied from where the text's last tokens
-#   occurred before (prompt lookup), as a second branch.
-# * **auto tree**: a tree built from the heads' measured top-k accuracies, sized by this
-#   hardware's measured cost of verifying more tokens.
+# * **heads, chain** (`speculative`): each head's top-1 token, verified in one pass.
+# * **heads + lookup** (`speculative`): the chain, plus 8 tokens copied from where the text's
+#   last tokens occurred before (prompt lookup), as a second branch.
+# * **auto tree** (`auto`, the default decoder): a tree built from the heads' measured top-k
+#   accuracies, sized by this hardware's measured cost of verifying more tokens, with prompt
+#   lookup's chain beside it; each row drafts only where drafting pays for it.
 #
 # Every speculative output must equal the autoregressive one, token for token.
 
@@ -161,8 +162,8 @@ prompts = calibration.code_prompts(corpora.heldout_files(), heads.tokenizer, NUM
                                    max_tokens=160, min_tokens=48)
 runs = {
     'autoregressive': dict(decoder='autoregressive'),
-    'heads, chain': dict(tree='chain'),
-    'heads + lookup': dict(tree='chain', lookup=8),
+    'heads, chain': dict(decoder='speculative', tree='chain'),
+    'heads + lookup': dict(decoder='speculative', tree='chain', lookup=8),
     'auto tree': dict(tree='auto'),
 }
 results = {name: mtp.generate(heads, prompts, max_new_tokens=NEW_TOKENS, batch_size=1, **kw)
