@@ -15,11 +15,6 @@ from mtp.model import testing
 from mtp.model import transformer
 
 
-# Without the fusion emitters XLA hoists nothing out of a loop, so a test of what it hoists
-# sees nothing under the suite's fast flags.
-DECODING_COMPILE = testing.DECODING_COMPILE
-
-
 def _positions(b, t, start=0):
   return jnp.broadcast_to(jnp.arange(start, start + t), (b, t))
 
@@ -256,7 +251,7 @@ def test_a_half_precision_cache_is_never_converted_whole():
   step = jax.jit(lambda cache: model.step(jnp.asarray([[5, 6], [7, 8]]),
                                           lengths[:, None] + jnp.arange(2)[None], cache,
                                           lengths, with_heads=False))
-  text = step.lower(cache).compile(compiler_options=DECODING_COMPILE).as_text()
+  text = step.lower(cache).compile(compiler_options=testing.DECODING_COMPILE).as_text()
   whole = ','.join(map(str, cache.keys[0].shape))
   assert f'u16[{whole}]' in text and f'f32[{whole}]' not in text and f'bf16[{whole}]' not in text
 
@@ -279,7 +274,7 @@ def test_attention_transposes_no_chunk_of_the_cache(dtype, num_tokens):
   step = jax.jit(lambda cache: model.step(
       tokens, lengths[:, None] + jnp.arange(num_tokens)[None], cache, lengths,
       with_heads=False))
-  text = step.lower(cache).compile(compiler_options=DECODING_COMPILE).as_text()
+  text = step.lower(cache).compile(compiler_options=testing.DECODING_COMPILE).as_text()
   chunk = re.compile(rf'= \w+\[[\d,]*\b{kv_cache.CHUNK}\b[\d,]*\]\S* transpose\(')
   assert not chunk.findall(text)
 
@@ -313,7 +308,7 @@ def test_a_half_precision_embedding_is_never_converted_whole():
                      r'(fusion|convert|copy|bitcast-convert)\(')
 
   def made_whole(lowered) -> list[str]:
-    compiled = lowered.compile(compiler_options=DECODING_COMPILE)
+    compiled = lowered.compile(compiler_options=testing.DECODING_COMPILE)
     kernels = re.split(r'\n(?=%|ENTRY)', compiled.as_text())
     return [m.group(0) for kernel in kernels if not kernel.startswith(('%fused', '%wrapped'))
             for m in whole.finditer(kernel)]
