@@ -13,7 +13,8 @@ prose prompts greedily at batch 1 with autoregressive decoding and 'auto', the d
 (the heads' tree, prompt-lookup drafts where the text repeats, each kind of drafting stopped
 where it does not pay; `--decoders` adds 'speculative', the heads alone), and prints the
 tokens/s of each, the speedup, the tokens per step, a completion, and whether the outputs
-matched token for token (they must: the exit status is 1 if not). The comparison runs in
+matched token for token (they must: the exit status is 1 if not), and last where its minutes
+went (the decoding's split into making tokens and the rest). The comparison runs in
 bfloat16 where this machine multiplies it in hardware (an accelerator, or a CPU with
 AVX512-BF16 or AMX: `cost_model.native_bfloat16`), the autoregressive reference included
 (`mtp.load(dtype=)`), else in the workdir's float32; `--dtype` chooses. A drafter trains with
@@ -24,6 +25,8 @@ the base's pass over the corpus runs in it.
 from __future__ import annotations
 
 import pathlib
+import time
+from typing import NamedTuple
 
 from absl import app
 from absl import flags
@@ -131,10 +134,29 @@ def check_decoders(decoders, repeats: int) -> None:
     raise ValueError(f'--decode_repeats must be at least 1, got {repeats}')
 
 
+class Laps:
+  """Wall seconds between marks, under the name of what ran since the one before."""
+
+  def __init__(self):
+    self.seconds: dict[str, float] = {}
+    self._last = time.perf_counter()
+
+  def mark(self, name: str) -> None:
+    now = time.perf_counter()
+    self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+    self._last = now
+
+
+class Compared(NamedTuple):
+  matched: bool  # Every decoder's outputs equalled autoregressive decoding's.
+  token_seconds: float  # Wall seconds the decoders spent making tokens (compilation excluded).
+
+
 def compare_decoders(loaded, kind: str, num_prompts: int, max_new_tokens: int, tree,
                      prompt_chars: int, decoders=('autoregressive', 'auto'),
-                     repeats: int = 1) -> bool:
-  """Greedy batch-1 decoding of held-out prompts with each decoder; True if outputs matched.
+                     repeats: int = 1) -> Compared:
+  """Greedy batch-1 decoding of held-out prompts with each decoder, and whether every output
+  matched.
 
   'auto' (the default of `mtp.generate`) drafts like 'speculative' (with `tree` None, the tree
   'auto' builds where it can measure the heads), adds prompt-lookup drafts where the text
@@ -178,10 +200,29 @@ def compare_decoders(loaded, kind: str, num_prompts: int, max_new_tokens: int, t
   completion = ''.join(sample.completion.splitlines(True)[:12])  # A glimpse, not a page.
   print(f'\n  Sample (the prompt\'s last lines, then the completion after >>>):\n'
         f'{"".join(sample.prompt.splitlines(True)[-4:])}>>>{completion}')
-  return all_matched
+  return Compared(all_matched, sum(g.seconds for repeated in runs.values() for run in repeated
+                                   for g in run))
+
+
+def print_wall_times(phases: dict[str, float], token_seconds: float) -> None:
+  """One line of where the demo's minutes went (`phases`: wall seconds by name, in order; a
+  phase under half a second is left out, but for the decoding)."""
+  parts = [f'{name} {_minutes(seconds)}' for name, seconds in phases.items()
+           if seconds >= 0.5 or name == 'decoding']
+  if 'decoding' in phases:  # The last phase.
+    from mtp.decode import measurements  # pylint: disable=import-outside-toplevel
+    parts[-1] += (f' ({_minutes(token_seconds)} of it making tokens; the rest compiled the '
+                  f'decoders and, on first use, measured what `auto` keeps in '
+                  f'{measurements.root()} for later runs)')
+  print(f'\n== Done in {_minutes(sum(phases.values()))}: {", ".join(parts)}.')
+
+
+def _minutes(seconds: float) -> str:
+  return f'{seconds:.0f} s' if seconds < 90 else f'{int(seconds // 60)} min {seconds % 60:.0f} s'
 
 
 def main(argv):
+  laps = Laps()
   launch.quiet_library_logs()
   del argv
   import mtp
@@ -197,8 +238,10 @@ def main(argv):
   try:
     with cli.UserErrors(PROGRAM):  # One line and the launchers' codes, as launch.train.
       check_decoders(FLAGS.decoders, FLAGS.decode_repeats)
+      imported = bool(config.init_from) and import_base(pathlib.Path(config.init_from),
+                                                        FLAGS.base)
+      laps.mark('start-up and the base\'s import' if imported else 'start-up')
       if config.init_from:
-        import_base(pathlib.Path(config.init_from), FLAGS.base)
         config.model.dtype = drafter_training_dtype(config.model.dtype, workdir, FLAGS.dtype)
         print(f'== Training {config.model.mtp_num_heads} {config.model.mtp_head_type} heads '
               f'on the frozen trunk of {config.init_from} ({config.num_train_steps} steps, '
@@ -217,6 +260,7 @@ def main(argv):
   print_learning_curve(records, num_heads)
   plot_learning_curve(records, num_heads, workdir / 'learning_curve.png')
   print(f'\nLearning curve plot: {workdir / "learning_curve.png"}')
+  laps.mark('training')
 
   loaded = mtp.load(workdir)
   texts = [corpora.read_text(p) for p in corpora.heldout_files()]
@@ -230,17 +274,21 @@ def main(argv):
   if 'acceptance_proxy' in heldout:
     print(f'  acceptance proxy: {heldout["acceptance_proxy"]:.2f} drafts accepted per step '
           f'(teacher-forced), {1 + heldout["acceptance_proxy"]:.2f} tokens per step')
+  laps.mark('held-out evaluation')
+  compared = []
   if FLAGS.decode_prompts > 0 and num_heads > 0:
     dtype = FLAGS.dtype or decoding_dtype(loaded.config.model.param_dtype)
     if (dtype, dtype) != (loaded.config.model.dtype, loaded.config.model.param_dtype):
       loaded = mtp.load(workdir, dtype=dtype)  # Weights too: bfloat16 halves their bytes.
     print(f'\n== Decoding in {dtype}')
-    matched = [compare_decoders(loaded, kind, FLAGS.decode_prompts, FLAGS.decode_tokens,
-                                trees.parse(FLAGS.decode_tree), FLAGS.prompt_chars,
-                                FLAGS.decoders, FLAGS.decode_repeats)
-               for kind in FLAGS.decode_kinds]
-    if not all(matched):
-      raise SystemExit('a decoder\'s outputs differ from autoregressive decoding\'s')
+    compared = [compare_decoders(loaded, kind, FLAGS.decode_prompts, FLAGS.decode_tokens,
+                                 trees.parse(FLAGS.decode_tree), FLAGS.prompt_chars,
+                                 FLAGS.decoders, FLAGS.decode_repeats)
+                for kind in FLAGS.decode_kinds]
+    laps.mark('decoding')
+  print_wall_times(laps.seconds, sum(c.token_seconds for c in compared))
+  if not all(c.matched for c in compared):
+    raise SystemExit('a decoder\'s outputs differ from autoregressive decoding\'s')
 
 
 def decoding_dtype(workdir_dtype: str) -> str:
@@ -266,13 +314,15 @@ def drafter_training_dtype(configured: str, workdir: pathlib.Path, requested: st
   return decoding_dtype(configured)
 
 
-def import_base(base: pathlib.Path, source: str) -> None:
-  """Imports `source` into the base workdir `base` unless it is there already (a checkpoint)."""
+def import_base(base: pathlib.Path, source: str) -> bool:
+  """Imports `source` into the base workdir `base` unless it is there already (a checkpoint);
+  whether it did."""
   if (base / 'checkpoints').is_dir():
-    return
+    return False
   from mtp.pretrained import workdir as workdir_lib
   print(f'== Importing {source} into {base} (once)', flush=True)
   workdir_lib.import_weights(workdir_lib.resolve_source(source), base)
+  return True
 
 
 if __name__ == '__main__':

@@ -34,6 +34,11 @@ def _demo(tmp_path, *flags_):
   assert run.returncode == 0, run.stderr[-3000:]
   assert 'Held-out code' in run.stdout
   assert (tmp_path / 'wd' / 'learning_curve.png').stat().st_size > 0
+  # Where the minutes went, the decoding's split into tokens and the rest.
+  took = r'(?:\d+ min )?\d+ s'
+  assert re.search(rf'== Done in {took}: (start-up {took}, )?training {took}, held-out '
+                   rf'evaluation {took}, decoding {took} \({took} of it making tokens; the rest '
+                   'compiled', run.stdout), run.stdout[-1000:]
   return run.stdout
 
 
@@ -87,8 +92,8 @@ def test_a_missing_base_is_imported_once(tmp_path, monkeypatch):
   monkeypatch.setattr(workdir_lib, 'import_weights',
                       lambda source, base: calls.append((source, base)) or
                       (base / 'checkpoints').mkdir(parents=True))
-  demo.import_base(tmp_path / 'base', 'smollm2')
-  demo.import_base(tmp_path / 'base', 'smollm2')
+  assert demo.import_base(tmp_path / 'base', 'smollm2')
+  assert not demo.import_base(tmp_path / 'base', 'smollm2')
   assert calls == [('resolved smollm2', tmp_path / 'base')]
 
 
@@ -130,3 +135,12 @@ def test_bad_decoding_flags_are_named_before_training(tmp_path, monkeypatch, fla
   with pytest.raises(SystemExit) as e:
     demo.main(['demo'])
   assert e.value.code == f'launch.demo: {message}'
+
+
+def test_wall_times_read_in_seconds_then_minutes_and_leave_out_what_took_none(capsys):
+  demo.print_wall_times({'start-up': 0.3, 'training': 595.0, 'held-out evaluation': 54.4,
+                         'decoding': 331.0}, token_seconds=79.6)
+  out = capsys.readouterr().out
+  assert out.startswith('\n== Done in 16 min 21 s: training 9 min 55 s, held-out evaluation '
+                        '54 s, decoding 5 min 31 s (80 s of it making tokens; the rest compiled '
+                        'the decoders and, on first use, measured what `auto` keeps in '), out
