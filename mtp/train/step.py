@@ -118,10 +118,16 @@ class Trainer:
     # compiling SmolLM2 with an EAGLE-3 drafter ran over 7 minutes on an H200 without this
     # lowering (a kernel of its own, the same bits) and 13 s with it. Other backends ignore it.
     jax.config.update('jax_threefry_gpu_kernel_lowering', True)
-    # Compiling initialisation yields the train state's shardings without allocating anything.
-    self._init_compiled = jax.jit(self._init).lower().compile()
-    self._init_on_trunk = None  # Compiled on first use: runs from a pretrained trunk only.
-    self.state_shardings = self._init_compiled.output_shardings
+    # The state's shardings follow from the parameters' (the step replicated), so nothing
+    # compiles until a state is drawn: a resumed run never draws one, and a run from a
+    # pretrained trunk draws its heads only (compiling SmolLM2's whole draw took 13 s on 2 CPU
+    # cores, only to read its output shardings).
+    self.state_shardings = TrainState(
+        step=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        params=self.param_shardings, opt_state=self.opt_state_shardings)
+    self._init_fresh = jax.jit(self._init, out_shardings=self.state_shardings)
+    self._init_on_trunk = jax.jit(self._init, out_shardings=self.state_shardings,
+                                  donate_argnums=0)
     self.abstract_state = jax.eval_shape(self._init)
     self.train_step = jax.jit(self._train_step, donate_argnums=0,
                               in_shardings=(self.state_shardings, self.batch_sharding),
@@ -134,10 +140,7 @@ class Trainer:
     (a pretrained one, `init.pretrained_trunk`; donated), whose draw XLA then drops as dead
     code. (SmolLM2's draw, replicated over 8 simulated CPU devices, took 16 s, twice a run.)"""
     if trunk is None:
-      return self._init_compiled()
-    if self._init_on_trunk is None:
-      self._init_on_trunk = jax.jit(self._init, out_shardings=self.state_shardings,
-                                    donate_argnums=0)
+      return self._init_fresh()
     return self._init_on_trunk(trunk)
 
   def abstract_state_with_shardings(self) -> TrainState:

@@ -58,6 +58,20 @@ def test_a_batch_holds_exactly_the_configured_fields():
     step_lib.Batch.from_arrays(arrays, ('trunk_hidden',), mesh)
 
 
+def test_a_trainer_compiles_no_draw_until_a_state_is_drawn_and_states_land_as_it_says():
+  """A resumed run restores its state, and reads only the trainer's shardings: building the
+  trainer draws (and compiles) nothing. The drawn state's shardings are the ones it gave."""
+  config = trainer_test._config(**{'model.mtp_head_type': 'parallel', 'model.vocab_size': 32})
+  trainer = step_lib.Trainer(config, trainer_test._single_device_mesh())
+  # pylint: disable=protected-access
+  assert trainer._init_fresh._cache_size() == 0 and trainer._init_on_trunk._cache_size() == 0
+  state = trainer.init_state()
+  assert trainer._init_fresh._cache_size() == 1
+  assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(
+      trainer.state_shardings)
+  assert jax.tree.structure(state) == jax.tree.structure(trainer.abstract_state)
+
+
 def test_a_state_from_a_given_trunk_is_the_fresh_state_with_that_trunk():
   """`init_state(trunk=...)` (a run from a pretrained trunk) gives exactly what drawing every
   parameter and then replacing the trunk gave: the heads' draws, the trunk, the optimizer
@@ -75,5 +89,5 @@ def test_a_state_from_a_given_trunk_is_the_fresh_state_with_that_trunk():
   # The trunk's draws are dead code: fewer of threefry's xors are left in the program.
   # pylint: disable=protected-access
   on_trunk = trainer._init_on_trunk.lower(param_tree.select(got.params, [param_tree.TRUNK]))
-  drawn_all = trainer._init_compiled.as_text().count(' xor(')
+  drawn_all = trainer._init_fresh.lower().compile().as_text().count(' xor(')
   assert 0 < on_trunk.compile().as_text().count(' xor(') < drawn_all
