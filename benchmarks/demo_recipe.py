@@ -102,19 +102,21 @@ def evaluate(workdir: str) -> dict:
   seq_len = config.data.seq_len
   heldout_texts = [corpora.read_text(p) for p in corpora.heldout_files()]
   valid_texts = pipeline.split_texts(config.data, 'valid')
+  draft_ids = evaluation.trained_draft_ids(loaded)  # The heads' metrics over their own ids.
   result = {
       'workdir': workdir, 'step': loaded.step,
       'train_seconds': training_seconds(writers.read_metrics(workdir), config),
       'parameters': sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param))),
       'valid': evaluation.evaluate_texts(loaded.model, loaded.tokenizer, valid_texts, seq_len,
-                                         max_batches=FLAGS.eval_batches),
+                                         max_batches=FLAGS.eval_batches, draft_ids=draft_ids),
       'heldout': evaluation.evaluate_texts(loaded.model, loaded.tokenizer, heldout_texts,
-                                           seq_len, max_batches=FLAGS.eval_batches),
+                                           seq_len, max_batches=FLAGS.eval_batches,
+                                           draft_ids=draft_ids),
   }
   if FLAGS.long_seq_len:
     result['heldout_long'] = evaluation.evaluate_texts(
         loaded.model, loaded.tokenizer, heldout_texts, FLAGS.long_seq_len,
-        max_batches=FLAGS.eval_batches)
+        max_batches=FLAGS.eval_batches, draft_ids=draft_ids)
     edges = [e for e in (0, 128, 256, 384, 512, 768, 1024, 2048) if e < FLAGS.long_seq_len]
     result['heldout_by_position'] = evaluation.loss_by_position(
         loaded.model, loaded.tokenizer, heldout_texts, FLAGS.long_seq_len,

@@ -265,7 +265,8 @@ def main(argv):
   loaded = mtp.load(workdir)
   texts = [corpora.read_text(p) for p in corpora.heldout_files()]
   heldout = evaluation.evaluate_texts(loaded.model, loaded.tokenizer, texts, config.data.seq_len,
-                                      max_batches=FLAGS.heldout_batches)
+                                      max_batches=FLAGS.heldout_batches,
+                                      draft_ids=evaluation.trained_draft_ids(loaded))
   print('\n== Held-out code (never seen in training):')
   print(f'  next token: loss {heldout["ntp_loss"]:.3f}, accuracy {heldout["ntp_acc"]:.3f}')
   for k in range(1, num_heads + 1):
