@@ -52,11 +52,12 @@ def evaluate_texts(model: mtp_model.MTPModel, tokenizer: tokenizer_lib.Tokenizer
   batches = pipeline.make_eval_batches(arrays, batch_size, max_batches, split='held-out')
   graphdef, params = nnx.split(model)
   weights = tuple(loss_lib.head_weights(model.mtp_num_heads, 1.0))
+  if draft_ids is not None:
+    draft_ids = jnp.asarray(draft_ids)  # Once, not per batch.
   totals: dict[str, float] = {}
   count = 0.0
   for batch in batches:
-    metrics = jax.device_get(_metrics(graphdef, params, batch, weights, chunk_size,
-                                      None if draft_ids is None else jnp.asarray(draft_ids)))
+    metrics = jax.device_get(_metrics(graphdef, params, batch, weights, chunk_size, draft_ids))
     n = float(metrics.pop('num_tokens'))
     count += n
     for k, v in metrics.items():
