@@ -393,6 +393,45 @@ def test_plans_measure_sampled_rows_break_even_unless_greedy_only(model, prompts
   assert measured == [(1, False)] and np.asarray(engine.data.costs).tolist() == [[2.0], [2.0]]
 
 
+@pytest.mark.parametrize('loop', ['as the curve', 'far above it', 'smaller far above too'])
+def test_auto_prices_a_smaller_tree_on_the_loop_where_the_loop_prices_its_tree_far_above_the_curve(
+    tiny_workdir, monkeypatch, tmp_path, loop):
+  from mtp.decode import cost_model
+  monkeypatch.setenv('MTP_CACHE_DIR', str(tmp_path))
+  accuracies = np.asarray([[0.5, 0.3, 0.1, 0.05], [0.4, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]])
+  monkeypatch.setattr(calibration, 'workdir_accuracies', lambda loaded: accuracies)
+  curve = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.9}
+  monkeypatch.setattr(cost_model, 'step_cost', lambda model, **kwargs: curve)
+  loaded = mtp.load(tiny_workdir)
+  chosen = cost_model.choose_tree(loaded.model, accuracies, cost=curve)
+  smaller = cost_model.choose_tree(loaded.model, accuracies, cost=curve,
+                                   candidates=range(2, chosen.num_nodes))
+  assert chosen.num_nodes == 4 and smaller.num_nodes == 3
+  priced = []
+
+  def fake(engine, prompts, lengths, kind, *, sampled=False, **kwargs):
+    nodes = engine.plan.drafters[0].tree.num_nodes
+    priced.append((nodes, kind))
+    if loop == 'as the curve' or (nodes == 3 and loop == 'far above it'):
+      return {4: 1.15, 3: 1.08}[nodes] + 0.5 * (kind - 1)
+    return 1.6 + 0.5 * (kind - 1)
+  monkeypatch.setattr(auto, 'break_even', fake)
+  engine = plan_lib.resolve(loaded, 'auto', max_new_tokens=16, greedy_only=True)
+  heads_tree = engine.plan.drafters[0].tree
+  if loop == 'far above it':  # 1.6 steps on the loop against the curve's 1.1.
+    assert heads_tree == smaller
+    assert priced == [(4, 1), (3, 1), (3, 1), (3, 2)]
+    assert np.asarray(engine.data.costs)[0].tolist() == pytest.approx([1.08, 1.58])
+  else:  # Where the loop agrees, or the smaller tree pays less on it, the curve's tree drafts.
+    assert heads_tree == chosen
+    assert priced == [(4, 1)] + [(3, 1)] * (loop != 'as the curve') + [(4, 1), (4, 2)]
+  # A tree the caller names, or break-evens given, are never priced against the curve.
+  priced.clear()
+  plan_lib.resolve(loaded, 'auto', max_new_tokens=16, greedy_only=True, tree=chosen)
+  plan_lib.resolve(loaded, 'auto', max_new_tokens=16, break_even=[2.0, 3.0])
+  assert priced == [(4, 1), (4, 2)]
+
+
 def test_a_kind_predicted_below_its_break_even_starts_stopped_and_above_it_probes(
     tiny_workdir):
   policy = auto.AutoPolicy(num_kinds=2, least_probe=(1, 1))

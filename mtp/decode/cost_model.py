@@ -41,6 +41,11 @@ from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32)
+# The T a drafting step's cost is measured for first (`drafting_curve`); the rest of
+# `DEFAULT_TOKEN_COUNTS` only where the best tree fills them. On a CPU no tree past a few
+# nodes pays, and SmolLM2's 16- and 32-token drafting steps took about half of its curve's
+# minute to compile and time (AMD EPYC, 2 cores: 31 s for T <= 8).
+FIRST_TOKEN_COUNTS = (1, 2, 4, 8)
 _TABLE = 'step_cost.json'
 
 
@@ -357,6 +362,20 @@ def step_cost(model, *, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
   return curve
 
 
+def drafting_curve(model, accuracies, *, batch_size: int = 1, draft_vocab_size: int = 0
+                   ) -> dict[int, float]:
+  """`step_cost`'s curve of whole drafting steps, measured as far as a tree for these
+  accuracies could use it: over `FIRST_TOKEN_COUNTS`, and over every T of
+  `DEFAULT_TOKEN_COUNTS` where the best tree on that curve has its largest T's nodes (an
+  accelerator's flat curve)."""
+  kwargs = dict(batch_size=batch_size, drafting=True, draft_vocab_size=draft_vocab_size)
+  curve = step_cost(model, token_counts=FIRST_TOKEN_COUNTS, **kwargs)
+  if accuracies is not None and (choose_tree(model, accuracies, cost=curve).num_nodes
+                                 >= max(curve)):
+    curve = step_cost(model, token_counts=DEFAULT_TOKEN_COUNTS, **kwargs)
+  return curve
+
+
 def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = None,
                 candidates: Sequence[int] | None = None) -> trees_lib.Tree:
   """The default candidate tree for `model` on the hardware in use.
@@ -367,8 +386,8 @@ def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = No
       candidate of head d + 1 is right, given the earlier drafts were); rows past the model's
       heads are dropped. None: no measurements, so a chain of every head's top-1.
     cost: relative cost curve {T: cost(T) / cost(1)} of a step over T tokens; None:
-      `step_cost(model, drafting=True)` (whole drafting steps, measured once per device kind
-      and model, then read from the cache).
+      `drafting_curve(model, accuracies)` (whole drafting steps, measured once per device
+      kind and model, then read from the cache).
     candidates: tree sizes (nodes, root included) to consider; default every size the cost
       curve covers, from 2 up.
 
@@ -385,7 +404,7 @@ def choose_tree(model, accuracies=None, *, cost: Mapping[int, float] | None = No
     raise ValueError(f'accuracies must be [num_heads, top_k], got shape {acc.shape}')
   acc = acc[:num_heads]
   if cost is None:
-    cost = step_cost(model, drafting=True)
+    cost = drafting_curve(model, acc)
   most = sum(acc.shape[1] ** d for d in range(1, acc.shape[0] + 1)) + 1
   if candidates is None:
     candidates = range(2, max(cost) + 1)

@@ -79,6 +79,25 @@ def test_tree_size_follows_the_cost_curve():
   assert deep.max_depth <= 3
 
 
+@pytest.mark.parametrize('slope, measured', [(0.3, [cost_model.FIRST_TOKEN_COUNTS]), (
+    0.0, [cost_model.FIRST_TOKEN_COUNTS, cost_model.DEFAULT_TOKEN_COUNTS])])
+def test_the_drafting_curve_goes_as_far_as_a_tree_could_use_it(monkeypatch, slope, measured):
+  asked = []
+
+  def step_cost(model, *, token_counts, **kwargs):
+    assert kwargs == dict(batch_size=4, drafting=True, draft_vocab_size=16)
+    asked.append(tuple(token_counts))
+    return {t: 1 + slope * (t - 1) for t in token_counts}
+  monkeypatch.setattr(cost_model, 'step_cost', step_cost)
+  model = testing.tiny_model(0)
+  curve = cost_model.drafting_curve(model, ACCURACIES, batch_size=4, draft_vocab_size=16)
+  # A steep curve (a CPU's) stops at 8 tokens: the best tree on it is smaller. On a flat one
+  # the best tree fills it, so the whole curve is measured.
+  assert asked == measured and sorted(curve) == list(measured[-1])
+  tree = cost_model.choose_tree(model, ACCURACIES, cost=curve)
+  assert (tree.num_nodes < 8) == bool(slope)
+
+
 def test_choose_tree_errors():
   with pytest.raises(ValueError, match='without MTP heads'):
     cost_model.choose_tree(testing.tiny_model(0, mtp_num_heads=0), ACCURACIES, cost={1: 1.0})

@@ -231,6 +231,8 @@ class Options:
   draft_vocab: int | None
   batch_size: int
   capacity: int
+  # The drafting cost curve that sized the heads' tree, where `auto` sized it.
+  curve: dict[int, float] | None = None
 
 
 def _heads(o: Options):
@@ -346,8 +348,10 @@ def _heads_tree(o: Options, choice, draft_vocab_size: int) -> trees_lib.Tree:
   if choice == trees_lib.AUTO:
     from mtp.decode import cost_model  # pylint: disable=import-outside-toplevel
     model = _model(o.source)
-    return cost_model.choose_tree(model, _accuracies(o.source), cost=cost_model.step_cost(
-        model, batch_size=o.batch_size, drafting=True, draft_vocab_size=draft_vocab_size))
+    accuracies = _accuracies(o.source)
+    o.curve = cost_model.drafting_curve(model, accuracies, batch_size=o.batch_size,
+                                        draft_vocab_size=draft_vocab_size)
+    return cost_model.choose_tree(model, accuracies, cost=o.curve)
   if choice is None and o.decoder.adaptive and heads:
     return _adaptive_default_tree(o, draft_vocab_size)
   return trees_lib.static_tree(choice, heads)
@@ -521,40 +525,84 @@ def resolve(source, decoder: str = decoders.DEFAULT, *, max_new_tokens: int,
     raise ValueError(f'draft_vocab (--draft_vocab) applies to decoders whose heads draft; '
                      f'{decoder!r} drafts nothing with heads here (autoregressive, or a model '
                      'without MTP heads)')
-  needed = options.capacity + _block(built)[0].num_nodes
   if capacity is not None:
-    _check_int('capacity', capacity, needed)
-    needed = capacity
-  capacity = kv_cache_lib.round_capacity(needed)
-  policy = None
-  if spec.adaptive and built:
-    policy = auto.AutoPolicy(num_kinds=len(built), least_probe=tuple(
-        auto.ALL_OR_NOTHING_LEAST_PROBE if d.all_or_nothing else 1 for d in built),
-        evidence_kinds=tuple(d.has_evidence for d in built), throughput=bool(continuous))
-  plan = DecodePlan(
-      max_new_tokens=max_new_tokens, capacity=capacity, drafters=built, policy=policy,
-      greedy_only=bool(greedy_only), vocab_limit=vocab_limit, banned_ids=tuple(banned),
-      max_stop_ids=_check_int('max_stop_ids', max_stop_ids, 1), logprobs=logprobs,
-      row_mapped=bool(exact), mesh=mesh, draft_hook=draft_hook)
-  plan_data = PlanData(drafters=data, costs=jnp.zeros((2, len(built)), jnp.float32),
-                       force=jnp.int32(-1), hook=hook_data,
-                       expected=jnp.full((len(built),), jnp.inf, jnp.float32))
-  engine = engine_lib.Engine(source, plan, plan_data)
-  if policy is not None:
+    _check_int('capacity', capacity, options.capacity + _block(built)[0].num_nodes)
+
+  def assemble(built, data):
+    """The engine of these drafters (built by `_build_drafters`) and the options."""
+    needed = options.capacity + _block(built)[0].num_nodes
+    policy = None
+    if spec.adaptive and built:
+      policy = auto.AutoPolicy(num_kinds=len(built), least_probe=tuple(
+          auto.ALL_OR_NOTHING_LEAST_PROBE if d.all_or_nothing else 1 for d in built),
+          evidence_kinds=tuple(d.has_evidence for d in built), throughput=bool(continuous))
+    plan = DecodePlan(
+        max_new_tokens=max_new_tokens, capacity=kv_cache_lib.round_capacity(
+            needed if capacity is None else capacity), drafters=built, policy=policy,
+        greedy_only=bool(greedy_only), vocab_limit=vocab_limit, banned_ids=tuple(banned),
+        max_stop_ids=_check_int('max_stop_ids', max_stop_ids, 1), logprobs=logprobs,
+        row_mapped=bool(exact), mesh=mesh, draft_hook=draft_hook)
+    plan_data = PlanData(drafters=data, costs=jnp.zeros((2, len(built)), jnp.float32),
+                         force=jnp.int32(-1), hook=hook_data,
+                         expected=jnp.full((len(built),), jnp.inf, jnp.float32))
+    return engine_lib.Engine(source, plan, plan_data)
+
+  engine = assemble(built, data)
+  if engine.plan.policy is not None:
     if break_even is None:
       prompts, lengths = calibration if calibration is not None else _random_prompts(
           trunk.vocab_size, batch_size, min(prompt_width, trunk.max_seq_len - max_new_tokens))
-      kinds = range(1, len(built) + 1)
+      engine = _tree_checked_on_the_loop(options, names, engine, assemble, prompts, lengths)
+      kinds = range(1, engine.plan.num_kinds + 1)
       greedy = [auto.break_even(engine, prompts, lengths, kind) for kind in kinds]
       # Greedy-only plans never hold a sampled row.
       break_even = [greedy, greedy if greedy_only else [
           auto.break_even(engine, prompts, lengths, kind, sampled=True) for kind in kinds]]
+    built = engine.plan.drafters
     costs = np.broadcast_to(np.asarray(break_even, np.float32), (2, len(built)))
     if not np.all(np.isfinite(costs) & (costs >= 0)):
       raise ValueError(f'break_even must be finite numbers >= 0, got {break_even!r}')
     engine = engine.with_data(costs=jnp.asarray(costs), expected=jnp.asarray(
         _expected_tokens(options, built), jnp.float32))
   return engine
+
+
+# The loop may price `auto`'s heads' tree this much above the cost curve before a smaller tree
+# is priced on the loop too (`_tree_checked_on_the_loop`): it read SmolLM2's demo drafter's
+# trees of 2 to 6 nodes 3-5% above the curve (AMD EPYC, 2 cores), and a curve measured in a
+# slower stretch priced a 4-node tree at 1.19 one-token steps that the loop read at 1.40.
+LOOP_OVER_CURVE = 1.1
+
+
+def _tree_checked_on_the_loop(o: Options, names: list[str], engine, assemble, prompts,
+                              lengths):
+  """`engine`, or one whose heads draft a smaller tree: where the heads' tree is the one
+  `auto` sized from the cost curve and the decoding loop prices it (its break-even, cached)
+  more than `LOOP_OVER_CURVE` times the curve's price, the best smaller tree by the curve is
+  priced on the loop too, and the tree that makes more tokens per unit of the loop's cost
+  drafts. (The curve is timed in a small loop of its own, measured once; a disturbed one
+  that survives its checks would otherwise size every later decoding's tree.)"""
+  first, curve = engine.plan.drafters[0], o.curve
+  if curve is None or not first.head_depth or first.dynamic or first.tree.num_nodes <= 2:
+    return engine
+  from mtp.decode import cost_model  # pylint: disable=import-outside-toplevel
+  model, accuracies, chosen = _model(o.source), _accuracies(o.source), first.tree
+  price = auto.break_even(engine, prompts, lengths, 1)
+  counts = sorted(curve)
+  priced = float(np.interp(chosen.num_nodes, counts, [curve[t] for t in counts]))
+  if price <= LOOP_OVER_CURVE * priced:
+    return engine
+  smaller = cost_model.choose_tree(model, accuracies, cost=curve,
+                                   candidates=range(2, chosen.num_nodes))
+  other = assemble(*_build_drafters(dataclasses.replace(o, tree=smaller), names))
+  other_price = auto.break_even(other, prompts, lengths, 1)
+  tokens = lambda tree: 1 + trees_lib.expected_accepted_length(tree, accuracies)  # noqa: E731
+  if tokens(smaller) / other_price <= tokens(chosen) / price:
+    return engine
+  logging.info('auto: the heads draft a tree of %d nodes (%.2f one-token steps on the loop), '
+               'not the cost curve\'s %d (%.2f on the loop, %.2f on the curve)',
+               smaller.num_nodes, other_price, chosen.num_nodes, price, priced)
+  return other
 
 
 def _expected_tokens(o: Options, built) -> list[float]:
