@@ -374,3 +374,31 @@ def test_attention_with_own_keys_is_dense_attention_over_them_as_more_slots(dtyp
   assert out.dtype == dtype
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(dense, np.float32),
                              atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_a_cached_step_traces_its_layers_once_and_computes_what_each_layer_does(scan,
+                                                                                monkeypatch):
+  """Tracing a cached step of 4 layers traces attention once (SmolLM2's 30: 0.74 s a step
+  became 0.07), and the step equals its layers called one after another, in order."""
+  from mtp.model import layout
+  cfg = testing.tiny_config(mtp_num_heads=0, num_layers=4)
+  model = mtp_model.MTPModel(cfg, rngs=nnx.Rngs(3))
+  if scan:
+    model = layout.with_layout(model, scan_layers=True)
+  transformer.cached_layer_traces_clear()  # Another test may have traced this layer.
+  traced = []
+  attend = kv_cache.attend
+  monkeypatch.setattr(kv_cache, 'attend', lambda *a, **k: traced.append(1) or attend(*a, **k))
+  tokens = jnp.asarray(testing.random_tokens((2, 5), 61, seed=4))
+  cache, lengths = model.init_cache(2, 128), jnp.asarray([0, 0], jnp.int32)
+  mask = np.tril(np.ones((5, 5), bool))
+  step = jax.jit(lambda tokens, cache: model.trunk.cached_forward(
+      tokens, _positions(2, 5), cache, lengths, mask)[0])
+  hidden = step(tokens, cache)
+  assert len(traced) == 1
+  x = model.trunk.embed(tokens)
+  for i in range(cfg.trunk.num_layers):
+    x, _ = model.trunk.layer(i)(x, _positions(2, 5), mask, (cache.keys[i], cache.values[i]),
+                                lengths)
+  np.testing.assert_allclose(hidden, x, atol=1e-5, rtol=1e-5)
