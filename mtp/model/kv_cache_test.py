@@ -165,3 +165,26 @@ def test_every_product_of_a_tree_block_takes_the_chunks_half_precision_kernel(ba
   program = (jax.jit(functools.partial(step, mask=mask)) if known else
              jax.jit(step)).lower(*args(t), *([] if known else [spec(t, t, dtype=bool)]))
   assert _float32_products(program.compile(testing.DECODING_COMPILE).as_text()) == []
+
+
+def test_compaction_moves_each_rows_path_and_traces_the_move_once(monkeypatch):
+  """Every layer's buffer moves the same way, traced once for all of them; slot lengths + d
+  then holds what slot lengths + path[d] held, in each row."""
+  kv_cache._moved.clear_cache()  # Another test may have traced this shape.
+  traced = []
+  write = kv_cache._write_slots
+  monkeypatch.setattr(kv_cache, '_write_slots',
+                      lambda *a: traced.append(1) or write(*a))
+  rng = np.random.default_rng(0)
+  cache = kv_cache.KVCache(*(tuple(jnp.asarray(rng.normal(size=(2, GROUPS, 128, DIM)),
+                                               jnp.float32) for _ in range(3))
+                             for _ in range(2)))
+  lengths, path = jnp.asarray([5, 9]), jnp.asarray([[0, 2, 3], [0, 1, 1]])
+  moved = jax.jit(kv_cache.compact)(cache, lengths, path)
+  assert len(traced) == 1
+  for before, after in zip(jax.tree.leaves(cache), jax.tree.leaves(moved)):
+    before, after = np.asarray(before), np.asarray(after)
+    for row, (length, row_path) in enumerate(zip([5, 9], [[0, 2, 3], [0, 1, 1]])):
+      np.testing.assert_array_equal(after[row, :, length:length + 3],
+                                    before[row, :, [length + d for d in row_path]].swapaxes(0, 1))
+      np.testing.assert_array_equal(after[row, :, :length], before[row, :, :length])
