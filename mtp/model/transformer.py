@@ -365,11 +365,6 @@ def _cached_block(graphdef, state, x, positions, mask, layer_cache, lengths, sta
   return nnx.merge(graphdef, state)(x, positions, mask, layer_cache, lengths)
 
 
-def cached_layer_traces_clear() -> None:
-  """Forgets every layer `cached_layer` traced (tests count traces)."""
-  _cached_block.clear_cache()
-
-
 def cached_layer(graphdef, state, x: Array, positions: Array, mask, layer_cache, lengths):
   """nnx.merge(graphdef, state)(x, ...) -> (x, layer cache) on a cached step, traced once for
   all the layers of one shape: jit reuses the first layer's trace for the others, and XLA

@@ -386,7 +386,7 @@ def test_a_cached_step_traces_its_layers_once_and_computes_what_each_layer_does(
   model = mtp_model.MTPModel(cfg, rngs=nnx.Rngs(3))
   if scan:
     model = layout.with_layout(model, scan_layers=True)
-  transformer.cached_layer_traces_clear()  # Another test may have traced this layer.
+  transformer._cached_block.clear_cache()  # Another test may have traced this layer.
   traced = []
   attend = kv_cache.attend
   monkeypatch.setattr(kv_cache, 'attend', lambda *a, **k: traced.append(1) or attend(*a, **k))
