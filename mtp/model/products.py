@@ -13,11 +13,19 @@ gets zero rows up to `MIN_ROWS` whose results are dropped. A one-token decoding 
 computes every product bit for bit as a verification block does, so speculative decoding in
 bfloat16 equals its own autoregressive decoding exactly. Float32 products and other backends
 are left as they are.
+
+Training differentiates these products on the same kernel. Left to JAX, the gradient's
+products read the float32 cotangent against a half-precision operand, which XLA:CPU runs as a
+float32 product at about half the speed; here the cotangent is rounded to the operands' type
+first (mixed precision's half-precision gradients; exact where the product's result was
+rounded so too), and both gradient products take the fast kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import string
 from typing import Callable
 
 import jax
@@ -54,12 +62,54 @@ def _by_rows(fn: Callable[[Array], Array], x: Array, dtype) -> Array:
   return out.reshape(lead + out.shape[1:]).astype(dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rows_product(spec: str, precision, rows: Array, w: Array) -> Array:
+  """einsum(spec, rows, w) with float32 sums and result: rows [M, D] in half precision, spec of
+  the form 'md,<w>->m<out>'."""
+  return jnp.einsum(spec, rows, w, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _rows_product_forward(spec, precision, rows, w):
+  return _rows_product(spec, precision, rows, w), (rows, w)
+
+
+def _rows_product_backward(spec, precision, residuals, cotangent):
+  """Both gradients as half-precision products with float32 sums (the fast kernel)."""
+  rows, w = residuals
+  inputs, out = spec.split('->')
+  rows_spec, w_spec = inputs.split(',')
+  cotangent = cotangent.astype(rows.dtype)
+  product = functools.partial(jnp.einsum, precision=precision,
+                              preferred_element_type=jnp.float32)
+  rows_gradient = product(f'{out},{w_spec}->{rows_spec}', cotangent, w.astype(rows.dtype))
+  w_gradient = product(f'{rows_spec},{out}->{w_spec}', rows, cotangent)
+  return rows_gradient.astype(rows.dtype), w_gradient.astype(w.dtype)
+
+
+_rows_product.defvjp(_rows_product_forward, _rows_product_backward)
+
+
+def _rows_spec(spec: str, w_ndim: int) -> str:
+  """'...d,<w>->...<out>' as `_rows_product`'s 'md,<w>->m<out>' (an ellipsis in <w> stands for
+  w's extra leading axes, none on the rows path)."""
+  inputs, out = spec.replace(' ', '').split('->')
+  x_spec, w_spec = inputs.split(',')
+  if not x_spec.startswith('...') or not out.startswith('...'):
+    raise ValueError(f'products.einsum takes specs of the form "...d,<w>->...<out>", got {spec!r}')
+  free = [c for c in string.ascii_lowercase if c not in spec]
+  if '...' in w_spec:
+    extra = w_ndim - len(w_spec.replace('...', ''))
+    w_spec = w_spec.replace('...', ''.join(free[1:1 + extra]))
+  return f'{free[0]}{x_spec[3:]},{w_spec}->{free[0]}{out[3:]}'
+
+
 def einsum(spec: str, x: Array, w: Array, *, preferred_element_type=None) -> Array:
   """`jnp.einsum(spec, x, w)` for a spec of the form '...d,<w>->...<out>': x's last axis is
   contracted and its leading axes, all free, lead the result (a linear layer, logits)."""
   if not on_fast_path(x.dtype):
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
-  return _by_rows(lambda rows: jnp.einsum(spec, rows, w, preferred_element_type=jnp.float32),
+  rows_spec = _rows_spec(spec, w.ndim)
+  return _by_rows(lambda rows: _rows_product(rows_spec, None, rows, w),
                   x, preferred_element_type or jnp.result_type(x, w))
 
 
@@ -69,13 +119,12 @@ def dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
   first, as `nnx.Linear` does (its `dot_general`); other products as they are."""
   (lhs_contract, rhs_contract), (lhs_batch, _) = dimension_numbers
   if (lhs_batch or tuple(lhs_contract) != (lhs.ndim - 1,) or tuple(rhs_contract) != (0,)
-      or not on_fast_path(lhs.dtype)):
+      or not on_fast_path(lhs.dtype) or any(v is not None for v in kwargs.values())):
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)
-  dims = (((1,), (0,)), ((), ()))
-  return _by_rows(lambda rows: jax.lax.dot_general(
-      rows, rhs, dims, precision=precision, preferred_element_type=jnp.float32, **kwargs),
-      lhs, preferred_element_type or jnp.result_type(lhs, rhs))
+  letters = string.ascii_lowercase[2:1 + rhs.ndim]
+  return _by_rows(lambda rows: _rows_product(f'ab,b{letters}->a{letters}', precision, rows, rhs),
+                  lhs, preferred_element_type or jnp.result_type(lhs, rhs))
 
 
 def ordered_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:

@@ -87,3 +87,55 @@ def test_every_linear_layer_of_the_model_runs_its_products_here(head_type):
     assert linear.dot_general is products.dot_general, linear
   fused = transformer.fused_projections(model)
   assert any(isinstance(m, transformer.FusedLinear) for _, m in nnx.iter_modules(fused))
+
+
+def _dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:
+  """The operand dtypes of every dot_general in a jaxpr, nested ones (custom rules) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      found.extend(_dot_operand_dtypes(sub))
+  return found
+
+
+@pytest.mark.parametrize('product', ['linear', 'logits'])
+def test_gradients_of_half_precision_products_are_half_precision_products(product):
+  """Training's backward pass stays on the fast kernel: both gradients of a linear layer and of
+  the logits are bfloat16 products (left to JAX, each would read a float32 cotangent, and
+  XLA:CPU would run it in float32 at about half the speed), and they are the float32 gradients
+  to bfloat16's rounding."""
+  x, w = _operands((4, 6), jnp.bfloat16, k=64, n=96)
+  w = w / 8
+  if product == 'linear':
+    apply = lambda x, w: products.dot_general(x, w, (((2,), (0,)), ((), ())))
+  else:
+    apply = lambda x, w: products.einsum('...d,nd->...n', x, w.T,
+                                         preferred_element_type=jnp.float32)
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w).astype(jnp.float32)))
+  grad = jax.grad(loss(apply), argnums=(0, 1))
+  dots = _dot_operand_dtypes(jax.make_jaxpr(grad)(x, w).jaxpr)
+  assert len(dots) == 3, dots  # The product and its two gradients.
+  assert all(dtypes == ('bfloat16', 'bfloat16') for dtypes in dots), dots
+  reference = jax.grad(loss(lambda x, w: jnp.einsum('btd,dn->btn', x.astype(jnp.float32),
+                                                    w.astype(jnp.float32))), argnums=(0, 1))
+  for got, want in zip(grad(x, w), reference(x, w)):
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=0.02,
+                               atol=0.02 * float(jnp.max(jnp.abs(want))))
+
+
+def test_a_product_and_its_gradients_through_an_nnx_linear_layer():
+  """What training differentiates: a bfloat16 `nnx.Linear` over float32 weights (as the model's
+  layers are) gets a float32 weight gradient near the float32 layer's."""
+  linear = nnx.Linear(64, 32, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                      dot_general=products.dot_general, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, 64)), jnp.bfloat16)
+  loss = lambda model, x: jnp.sum(jnp.sin(model(x).astype(jnp.float32)))
+  grads = nnx.grad(loss)(linear, x)
+  kernel = linear.kernel[...]
+  want = jax.grad(lambda k: jnp.sum(jnp.sin(x.astype(jnp.float32) @ k)))(kernel)
+  assert grads.kernel[...].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(grads.kernel[...]), np.asarray(want), rtol=0.05,
+                             atol=0.02 * float(jnp.max(jnp.abs(want))))
