@@ -37,6 +37,7 @@ from mtp.decode import measurements
 from mtp.decode import state as state_lib
 from mtp.decode import trees as trees_lib
 from mtp.decode import verification
+from mtp.model import argmax as argmax_lib
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import transformer
 
@@ -57,8 +58,9 @@ _CPU_FEATURES = ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')
 # before (`step_cost`, `auto.break_even`) are measured again: 2, the KV cache laid out
 # [B, G, S, d] (2026-12-05); 3, trees verified in attention order (`verification`); 4, cache
 # chunks read as rows (`kv_cache._chunk`: one-token steps cheaper at batch 4); 5, a tree's
-# committed chunks read outside the per-chunk choice of `kv_cache.attend` (trees cheaper).
-STEPS_VERSION = 5
+# committed chunks read outside the per-chunk choice of `kv_cache.attend` (trees cheaper); 6,
+# greedy verification's argmax in vectorised reductions (`mtp.model.argmax`: blocks cheaper).
+STEPS_VERSION = 6
 
 
 @functools.cache
@@ -180,7 +182,7 @@ def _timed_loop(graphdef, params, vocab_ids=None, *, num_tokens: int, batch_size
                                          with_heads=drafts or not drafting)
     # Verification needs every node's logits; feeding their argmax (or the drafts made from
     # them) back means no iteration can be hoisted or skipped.
-    chosen = jnp.argmax(model.logits(out.normed), axis=-1).astype(jnp.int32)
+    chosen = argmax_lib.argmax(model.logits(out.normed))
     if not drafts:
       return chosen, cache
     if not tree.is_chain:

@@ -32,6 +32,7 @@ import numpy as np
 
 from mtp.decode import dynamic_trees
 from mtp.decode import trees as trees_lib
+from mtp.model import argmax as argmax_lib
 from mtp.model import kv_cache as kv_cache_lib
 from mtp.model import products
 
@@ -144,7 +145,7 @@ def shape_logits(logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0) -> jn
   scaled = jax.lax.cond(jnp.any(use_k | use_p), truncated, lambda: scaled)
 
   def with_greedy_rows():
-    best = jnp.arange(v) == jnp.argmax(logits, axis=-1)[..., None]
+    best = jnp.arange(v) == argmax_lib.argmax(logits)[..., None]
     return jnp.where(greedy, jnp.where(best, logits, _NEG_INF), scaled)
 
   return jax.lax.cond(jnp.any(greedy), with_greedy_rows, lambda: scaled)
@@ -239,7 +240,7 @@ def sample_tokens(rng, logits: jnp.ndarray, temperature=1.0, top_k=0, top_p=1.0,
   when every one of them is greedy, nothing is shaped nor drawn. greedy_only: static, every
   row is greedy (a Python 0 temperature means the same).
   """
-  greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy_tokens = argmax_lib.argmax(logits)
   if greedy_only or (isinstance(temperature, numbers.Real) and temperature == 0):
     return greedy_tokens
 
@@ -320,7 +321,7 @@ def greedy_accept_chain(draft: jnp.ndarray, target_logits: jnp.ndarray,
     next_token: [B] int32, the argmax at the first mismatch (or at K, the bonus, if none).
   """
   k = draft.shape[1]
-  target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K + 1]
+  target = argmax_lib.argmax(target_logits)  # [B, K + 1]
   match = draft.astype(jnp.int32) == target[:, :k]
   if num_drafts is not None:
     match &= jnp.arange(k)[None, :] < num_drafts[:, None]
@@ -409,7 +410,7 @@ def greedy_accept_tree(
   """
   rows = dynamic_trees.as_rows(tree, node_tokens.shape[0])
   parent = jnp.maximum(rows.parent, 0)  # The root's own entry is overridden below.
-  target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
+  target = argmax_lib.argmax(target_logits)  # [B, N]
   match = node_tokens.astype(jnp.int32) == jnp.take_along_axis(target, parent, axis=1)
   if enabled is not None:
     match &= enabled

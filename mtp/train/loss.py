@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.model import argmax as argmax_lib
+
 Array = jax.Array
 
 
@@ -77,7 +79,7 @@ def _chunk_logits(xc: Array, unembedding: Array, yc: Array, tc: Array | None):
     target = jax.nn.softmax(jnp.dot(tc, unembedding.astype(tc.dtype),
                                     preferred_element_type=jnp.float32), axis=-1)
     loss = lse - jnp.sum(target * logits, axis=-1)
-  return logits, lse, loss, jnp.argmax(logits, axis=-1).astype(jnp.int32), target
+  return logits, lse, loss, argmax_lib.argmax(logits), target
 
 
 def _fused_forward(x, unembedding, labels, weights, teacher, chunk_size):
@@ -181,7 +183,7 @@ def fused_cross_entropy(x: Array, unembedding: Array, labels: Array, weights: Ar
                                                    axis=-1))
     loss = jax.nn.logsumexp(logits, -1) - jnp.sum(target * logits, axis=-1)
     return (jnp.sum(loss * weights), jax.lax.stop_gradient(loss),
-            jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            argmax_lib.argmax(logits))
   total, loss, predictions = _fused(x, unembedding, labels, weights, teacher,
                                     min(chunk_size, x.shape[0]), train_unembedding)
   return total, jax.lax.stop_gradient(loss), predictions

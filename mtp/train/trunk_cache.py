@@ -40,6 +40,8 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from mtp.model import argmax as argmax_lib
+
 HIDDEN, TARGETS, HEAD_MASK = 'trunk_hidden', 'targets', 'head_mask'
 LAYER_INPUTS = 'trunk_layer_inputs'
 _VERSION = 2
@@ -323,7 +325,7 @@ def trunk_forward(graphdef, layers: Sequence[int] = ()) -> Callable:
     hidden, layer_inputs = model.trunk.train_forward(tokens, positions, segment_ids, layers)
     logits = model.logits(model.trunk.final_norm(hidden))
     return (hidden.astype(jnp.float32), _stacked(layer_inputs, layers, hidden),
-            jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            argmax_lib.argmax(logits))
   return forward
 
 
@@ -346,8 +348,7 @@ def rollout_forward(graphdef, seq_len: int, layers: Sequence[int] = ()) -> Calla
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     hidden, layer_inputs, cache = model.trunk.cached_forward(
         prompts, positions, cache, jnp.zeros((b,), jnp.int32), None, layers)
-    predictions = jnp.argmax(model.logits(model.trunk.final_norm(hidden)),
-                             axis=-1).astype(jnp.int32)
+    predictions = argmax_lib.argmax(model.logits(model.trunk.final_norm(hidden)))
     prompt_states = (hidden.astype(jnp.float32), _stacked(layer_inputs, layers, hidden))
 
     def one_token(carry, position):
@@ -355,8 +356,7 @@ def rollout_forward(graphdef, seq_len: int, layers: Sequence[int] = ()) -> Calla
       lengths = jnp.full((b,), position, jnp.int32)
       hidden, layer_inputs, cache = model.trunk.cached_forward(
           token[:, None], lengths[:, None], cache, lengths, None, layers)
-      following = jnp.argmax(model.logits(model.trunk.final_norm(hidden[:, 0])),
-                             axis=-1).astype(jnp.int32)
+      following = argmax_lib.argmax(model.logits(model.trunk.final_norm(hidden[:, 0])))
       return (following, cache), (token, hidden[:, 0].astype(jnp.float32),
                                   _stacked(layer_inputs, layers, hidden)[:, 0], following)
 

@@ -109,6 +109,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.model import argmax as argmax_lib
 from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
@@ -434,7 +435,7 @@ class EagleDrafter(heads.HeadFamily):
       # One new entry per row, right after the previous one; a row at the cache's end writes
       # into its last slot, which no committed token uses (it has finished anyway).
       slot = slot + 1
-      drafted = project.token_ids(jnp.argmax(logits[-1], axis=-1)).astype(tokens.dtype)
+      drafted = project.token_ids(argmax_lib.argmax(logits[-1])).astype(tokens.dtype)
       x = self._input(trunk.embed(drafted[:, None]), feature[:, None])
       h, layer_cache = layer(x, slot[:, None], heads.causal_mask(1), layer_cache, slot)
       feature = h[:, 0]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp.model import argmax as argmax_lib
 from mtp.model import flops
 from mtp.model import heads
 from mtp.model import kv_cache as kv_cache_lib
@@ -121,7 +122,7 @@ class SequentialHeads(heads.HeadFamily):
       head = project.logits(kv_cache_lib.gather_rows(normed, last_index))  # [B, V or N]
       logits.append(head)
       if k + 1 < depth:  # Module k + 2 reads this draft as token x_{t + k + 2} at last_index.
-        top1 = project.token_ids(jnp.argmax(head, axis=-1)).astype(tokens.dtype)
+        top1 = project.token_ids(argmax_lib.argmax(head)).astype(tokens.dtype)
         tokens = kv_cache_lib.write_rows(tokens, top1[:, None], last_index + k + 2)
     return jnp.stack(logits), cache
 
