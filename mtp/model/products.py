@@ -30,11 +30,22 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The name (`jax.ad_checkpoint.checkpoint_name`) of every product's result on the fast path:
+# a custom VJP hides its matmul from `jax.checkpoint_policies.dots_saveable`, so remat policies
+# that keep matmul outputs save these by name too (`SAVE_DOTS`).
+PRODUCT_NAME = 'half_precision_product'
 ROW_INVARIANT_ROWS = 3  # The fewest left rows that take the row-invariant kernel.
 MIN_ROWS = 4  # Fewer than ROW_INVARIANT_ROWS are padded to this (4 measured faster than 3).
+
+
+# `jax.checkpoint_policies.dots_saveable` with this module's products kept as well.
+SAVE_DOTS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(PRODUCT_NAME))
 
 
 def on_fast_path(dtype) -> bool:
@@ -58,7 +69,7 @@ def _by_rows(fn: Callable[[Array], Array], x: Array, dtype) -> Array:
   run as one [M, D] operand of at least ROW_INVARIANT_ROWS rows, rounded to `dtype`."""
   lead = x.shape[:-1]
   rows = x.reshape(-1, x.shape[-1])
-  out = fn(padded_rows(rows, 0))[:rows.shape[0]]
+  out = checkpoint_name(fn(padded_rows(rows, 0)), PRODUCT_NAME)[:rows.shape[0]]
   return out.reshape(lead + out.shape[1:]).astype(dtype)
 
 

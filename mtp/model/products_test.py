@@ -139,3 +139,14 @@ def test_a_product_and_its_gradients_through_an_nnx_linear_layer():
   assert grads.kernel[...].dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(grads.kernel[...]), np.asarray(want), rtol=0.05,
                              atol=0.02 * float(jnp.max(jnp.abs(want))))
+
+
+def test_remat_keeping_matmul_outputs_keeps_these_products(capsys):
+  """`dots_saveable` cannot see a matmul inside a custom VJP; `SAVE_DOTS` (the trunk's
+  'dots_saveable' remat) keeps the fast path's products by name, as it keeps plain matmuls."""
+  x, w = _operands((8,), jnp.bfloat16, k=64, n=32)
+  loss = lambda x, w: jnp.sum(jnp.sin(products.dot_general(x, w, (((1,), (0,)), ((), ())))
+                                      .astype(jnp.float32)))
+  for policy, kept in ((jax.checkpoint_policies.dots_saveable, False), (products.SAVE_DOTS, True)):
+    jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=policy), x, w)
+    assert (products.PRODUCT_NAME in capsys.readouterr().out) == kept

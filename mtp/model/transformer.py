@@ -40,7 +40,7 @@ REMAT_POLICIES = ('none', 'heads', 'full', 'dots_saveable')
 # jax.checkpoint policies of the trunk's blocks per `remat` (absent: the trunk is not remat'ed).
 _TRUNK_CHECKPOINT_POLICIES = {
     'full': None,  # Save nothing but the block's input.
-    'dots_saveable': jax.checkpoint_policies.dots_saveable,
+    'dots_saveable': products.SAVE_DOTS,
 }
 
 
@@ -340,7 +340,7 @@ def _block_output(block, x, positions, mask):
 # them ('full'), or all but the matmul outputs ('dots_saveable').
 _rematerialised_blocks = {
     'full': nnx.remat(_block_output),
-    'dots_saveable': nnx.remat(_block_output, policy=jax.checkpoint_policies.dots_saveable),
+    'dots_saveable': nnx.remat(_block_output, policy=products.SAVE_DOTS),
 }
 
 
