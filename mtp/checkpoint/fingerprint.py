@@ -28,7 +28,7 @@ def fingerprints(tree: Any) -> dict[str, list]:
     if hasattr(leaf, 'dtype') and np.dtype(leaf.dtype).itemsize in _UNSIGNED:
       paths.append(path_name(path))
       leaves.append(leaf)
-  values = jax.device_get([_fingerprint(leaf) for leaf in leaves])
+  values = jax.device_get(_fingerprint_all(leaves))
   return {name: [np.dtype(leaf.dtype).name, int(value)]
           for name, leaf, value in zip(paths, leaves, values)}
 
@@ -56,10 +56,11 @@ def path_name(path) -> str:
   return '/'.join(path_keys(path))
 
 
-# One small program per array shape, not one for the whole tree: a tree's program had hundreds
-# of outputs, was compiled anew for every tree, and its compilation is where a test worker
-# crashed inside XLA:CPU in each of the suite's three runs before this (segfault or abort).
 @jax.jit
+def _fingerprint_all(leaves: list[jax.Array]) -> list[jax.Array]:
+  return [_fingerprint(jnp.asarray(x)) for x in leaves]
+
+
 def _fingerprint(x: jax.Array) -> jax.Array:
   """[] uint32 fingerprint of x (any shape; 1, 2 or 4 bytes per element)."""
   if x.dtype == jnp.bool_:
