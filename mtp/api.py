@@ -3,8 +3,8 @@
 They take a training workdir or an export directory (`launch.export`): a params export loads
 like a workdir; a jax_export directory loads as `export.runtime.LoadedArtifact`, and `generate`
 then calls its serialized programs, running no model code. `generate` is thin: it checks and
-encodes the prompts, resolves how to decode once (`decode.plan.resolve`) and decodes the
-batches through the engine that returns (`decode.engine`).
+encodes the prompts, resolves how to decode once per shape bucket (`decode.buckets`) and
+decodes the batches through the engine that returns (`decode.engine`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from mtp.checkpoint import loading
 from mtp.data import tokenizer as tokenizer_lib
+from mtp.decode import buckets
 from mtp.decode import decoders
 from mtp.decode import plan as plan_lib
 from mtp.decode import settings as settings_lib
@@ -81,7 +82,8 @@ def generate(loaded_or_workdir, prompts: str | Sequence[str], *, max_new_tokens:
   """Completes text prompts: the Python twin of `launch.generate` (its flags, the same names).
 
   Prompts are decoded in batches of `batch_size` (None: all in one), in order, through one
-  compiled decoder, compiled and warmed up on the first batch (`tokens_per_sec` excludes it).
+  compiled decoder, compiled and warmed up on the first batch (`tokens_per_sec` excludes it)
+  and kept for later calls whose prompts and budget fall in the same shape bucket.
   Everything is checked before anything compiles; errors name the prompt or option. Prompt i
   samples with its own key from `seed` and i, whatever the batching. `decoder`: 'auto' (the
   heads draft, and prompt lookup where the text repeats; each row stops each kind of drafting
@@ -111,13 +113,8 @@ def generate(loaded_or_workdir, prompts: str | Sequence[str], *, max_new_tokens:
   padded, lengths = plan_lib.check_prompts(*state_lib.pad_prompts(
       _encode(tokenizer, texts, special_tokens), tokenizer.pad_id), vocab_size=trunk.vocab_size)
   plan_lib.check_room(lengths, max_new_tokens, trunk.max_seq_len)
-  batches = _batches(padded, lengths, batch_size)
-  engine = plan_lib.resolve(
-      loaded, decoder, max_new_tokens=max_new_tokens, prompt_width=padded.shape[1],
-      batch_size=batch_size, greedy_only=sampling.greedy,
-      logprobs=-1 if logprobs is None else logprobs, calibration=batches[0][1:], **options)
-  engine.result(engine.step(engine.prefill(*batches[0][1:], engine.settings(
-      [sampling] * batch_size)), 1))  # Compiles, warms up and waits: a prefill, a step.
+  engine, batches = _decoder(loaded, decoder, padded, lengths, batch_size, sampling,
+                             -1 if logprobs is None else logprobs, options)
   results = []
   for rows, tokens, row_lengths in batches:
     indices = rows + [rows[-1]] * (batch_size - len(rows))  # Each prompt its own key.
@@ -132,6 +129,21 @@ def generate(loaded_or_workdir, prompts: str | Sequence[str], *, max_new_tokens:
     results += [_generation(out, row, texts[i], int(row_lengths[row]), tokenizer, seconds)
                 for row, i in enumerate(rows)]
   return results
+
+
+def _decoder(loaded: LoadedModel, decoder: str, padded: np.ndarray, lengths: np.ndarray,
+             batch_size: int, sampling: settings_lib.Sampling, logprobs: int, options: dict):
+  """(the engine for prompts [N, P] and `sampling`'s budget, compiled and warm: kept from a
+  call of their shape bucket, or resolved and warmed up here; the batches, at its width)."""
+  engine, width, kept = buckets.engine(
+      loaded, decoder, max_new_tokens=sampling.max_tokens, prompt_width=padded.shape[1],
+      batch_size=batch_size, greedy_only=sampling.greedy, logprobs=logprobs,
+      calibration=(padded[:batch_size], lengths[:batch_size]), **options)
+  batches = _batches(np.pad(padded, ((0, 0), (0, width - padded.shape[1]))), lengths, batch_size)
+  if not kept:  # A prefill and a step: compiles, warms up and waits.
+    engine.result(engine.step(engine.prefill(*batches[0][1:], engine.settings(
+        [sampling] * batch_size)), 1))
+  return engine, batches
 
 
 def _stream(chunks, tokenizer, rows: list[int], on_text: TextCallback):

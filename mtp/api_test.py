@@ -289,6 +289,7 @@ def test_auto_drafts_over_its_default_draft_vocabulary_where_the_corpus_counts(
   def unreadable(loaded, size):
     raise FileNotFoundError('no such corpus')
   monkeypatch.setattr(draft_vocab, 'draft_vocabulary', unreadable)
+  loaded = mtp.load(workdir)  # A fresh load: the decoder above is kept for this bucket.
   with caplog.at_level('WARNING'):
     [fallback] = mtp.generate(loaded, PROMPTS[:1], max_new_tokens=10, tree='chain', lookup=0)
   assert fallback.tokens == ar.tokens

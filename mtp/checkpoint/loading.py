@@ -51,6 +51,11 @@ class LoadedModel:
     return self._derive('fingerprints', lambda model: fingerprint.fingerprints(
         nnx.state(model)))
 
+  def engines(self) -> dict:
+    """Decoders resolved for `model`'s weights, kept between `mtp.generate` calls by decoder,
+    options and shape bucket (`decode.buckets`); dropped with the weights they decode."""
+    return self._derive('engines', lambda model: {})
+
   def _derive(self, name: str, make):
     """make(model), kept until `model` holds other weight arrays (jax arrays are immutable,
     so the same arrays are the same weights); then everything derived is dropped, so no old
