@@ -3,8 +3,8 @@
 A plan's shapes are static: its prompt width and token budget (and the cache capacity they
 give) are compiled into its programs and key `auto`'s measurements. Resolved for each call's
 exact shapes, a notebook's next prompt, a few tokens longer or with another `max_new_tokens`,
-compiled and measured everything again: SmolLM2's demo drafter with `auto` took 53-78 s per
-call on 2 CPU cores, for 64-128 tokens that then decoded in 1-3 s.
+compiled and measured everything again: SmolLM2's demo drafter with `auto` took 41-76 s for
+every call after the first on 2 CPU cores, for 64-128 tokens that then decoded in 1-3 s.
 
 So calls resolve plans for shape buckets, powers of two of at least `LEAST` (prompt widths
 capped at the model's positions), and each loaded model keeps the engines it resolved
@@ -12,7 +12,8 @@ capped at the model's positions), and each loaded model keeps the engines it res
 bucket: the cache's chunked attention reads only the chunks its rows reach
 (`kv_cache.attend`), the prefill's chunks follow the longest prompt, not the padding, and each
 row stops at its own budget (`settings.Sampling.max_tokens`). What a larger bucket costs is
-memory: at most twice a call's cache and token buffer.
+memory (a cache of at least 2 * LEAST slots, at most twice a long call's) and, measured on
+SmolLM2, 3-4% of a block with prompt lookup's chain (docs/measurements/decoding.md).
 """
 
 from __future__ import annotations
