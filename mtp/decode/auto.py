@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.decode import buckets
 from mtp.decode import cost_model
 from mtp.decode import measurements
 
@@ -377,11 +378,6 @@ class AutoPolicy:
 ROW_STEPS = 64
 
 
-def _bucket(n: int, least: int = 1) -> int:
-  """The power of two at or above n and `least`."""
-  return 1 << (max(int(n), least, 1) - 1).bit_length()
-
-
 def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: bool,
                steps: int) -> str:
   """The break-even's key. Prompt widths, timed steps (capped by the plan's new tokens) and cache
@@ -394,12 +390,12 @@ def _cache_key(engine, batch_size: int, prompt_width: int, kind: int, sampled: b
   return (f'v{_LOOP_VERSION}.{cost_model.STEPS_VERSION}|{"sampled|" if sampled else ""}'
           f'{cost_model.device_kind()}'
           f'|{cost_model.model_key(engine.cfg)}'
-          f'|B{batch_size}|P~{_bucket(prompt_width, 64)}|kind{kind}-'
+          f'|B{batch_size}|P~{buckets.bucket(prompt_width, 64)}|kind{kind}-'
           f'{measurements.digest(repr(block))}'
           f'|{"rows" if plan.row_mapped else "batch"}|mesh'
           f'{plan.mesh.shape if plan.mesh is not None else None}'
-          f'|V{plan.draft_vocab_size}|S~{_bucket(min(steps, plan.max_new_tokens))}'
-          f'|C~{_bucket(plan.capacity)}')
+          f'|V{plan.draft_vocab_size}|S~{buckets.bucket(min(steps, plan.max_new_tokens), 1)}'
+          f'|C~{buckets.bucket(plan.capacity, 1)}')
 
 
 def break_even(engine, prompts, lengths, kind: int, *, sampled: bool = False,

@@ -23,8 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from mtp.decode import plan as plan_lib
-
 # Prompt widths and token budgets below this share one bucket: a notebook's short prompts and
 # budgets compile once. (A prompt width of 256 or more prefills in long chunks too: that
 # program, compiled either way for long prompts, then serves short ones at no cost.)
@@ -34,14 +32,15 @@ MOST_KEPT = 8
 
 
 def bucket(n: int, least: int = LEAST) -> int:
-  """The smallest power of two >= max(n, least)."""
-  return 1 << (max(int(n), int(least)) - 1).bit_length()
+  """The smallest power of two >= max(n, least, 1) (also `auto`'s measurement keys')."""
+  return 1 << (max(int(n), int(least), 1) - 1).bit_length()
 
 
 def plan_shapes(prompt_width: int, max_new_tokens: int, max_seq_len: int) -> tuple[int, int]:
   """(prompt width, token budget) to resolve a plan for: `prompt_width` (padded) and
   `max_new_tokens` rounded up to their buckets, each kept within the model's `max_seq_len`
   positions where the value itself is."""
+  from mtp.decode import plan as plan_lib  # pylint: disable=import-outside-toplevel
   width = plan_lib.padded_width(prompt_width)
   width = min(bucket(width), max(width, plan_lib.padded_width(max_seq_len)))
   return width, min(bucket(max_new_tokens), max(int(max_new_tokens), int(max_seq_len)))
@@ -56,6 +55,8 @@ def engine(loaded, decoder: str, *, prompt_width: int, max_new_tokens: int, **op
   With `capacity` given the plan is resolved for the exact shapes (a capacity sized for them
   may not hold a bucket's), and nothing is kept; options that cannot be compared (arrays other
   than id lists) are resolved afresh too."""
+  # Here, not above: the plan imports `auto`, which keys its measurements with `bucket`.
+  from mtp.decode import plan as plan_lib  # pylint: disable=import-outside-toplevel
   calibration = options.pop('calibration', None)
   if options.get('capacity') is not None:
     return plan_lib.resolve(loaded, decoder, prompt_width=prompt_width,
