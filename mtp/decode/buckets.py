@@ -12,8 +12,9 @@ capped at the model's positions), and each loaded model keeps the engines it res
 bucket: the cache's chunked attention reads only the chunks its rows reach
 (`kv_cache.attend`), the prefill's chunks follow the longest prompt, not the padding, and each
 row stops at its own budget (`settings.Sampling.max_tokens`). What a larger bucket costs is
-memory (a cache of at least 2 * LEAST slots, at most twice a long call's) and, measured on
-SmolLM2, 3-4% of a block with prompt lookup's chain (docs/measurements/decoding.md).
+memory (a cache of at least 2 * LEAST slots, at most twice a long call's); its steps cost the
+same within the 3-8% that a block with prompt lookup's chain moves between plans on SmolLM2
+(docs/measurements/decoding.md).
 """
 
 from __future__ import annotations
