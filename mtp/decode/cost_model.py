@@ -39,7 +39,6 @@ from mtp.decode import trees as trees_lib
 from mtp.decode import verification
 from mtp.model import argmax as argmax_lib
 from mtp.model import kv_cache as kv_cache_lib
-from mtp.model import transformer
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32)
 # The T a drafting step's cost is measured for first (`drafting_curve`); the rest of
@@ -249,7 +248,7 @@ def step_timer(model, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, *,
   room = max(token_counts) * (2 if drafting else 1)  # Drafting writes past the tree.
   context = max(1, min(context, model.cfg.trunk.max_seq_len - room))
   if state_lib.fuse_by_default(model):  # Decoding's layout (`state.PreparedModel`).
-    model = transformer.fused_projections(model)
+    model = state_lib.cpu_decoding_copy(model)
   graphdef, params = nnx.split(model)
   vocab_ids = (jnp.arange(draft_vocab_size, dtype=jnp.int32)
                if drafting and draft_vocab_size else None)

@@ -94,10 +94,11 @@ class PreparedModel:
   traversal that splitting costs (milliseconds per call). It holds the weights as they were
   when prepared: prepare again after changing them.
 
-  On CPU, with every weight on one device, it holds `transformer.fused_projections`' copy:
-  q, k and v, and gate and up, each read by one matmul (faster there; measured in
-  `benchmarks.fused_projections`). Every decoder then decodes with the same copy, so they stay
-  exact against each other; outputs can differ from the unfused model's in the last bits.
+  On CPU, with every weight on one device, it holds `cpu_decoding_copy(model)`: q, k and v,
+  and gate and up, each read by one matmul (faster there; measured in
+  `benchmarks.fused_projections`), and the norms' scales in float32. Every decoder then decodes
+  with the same copy, so they stay exact against each other; outputs can differ from the
+  unfused model's in the last bits.
 
   Attributes:
     cfg: the model's `ModelConfig`.
@@ -111,7 +112,7 @@ class PreparedModel:
       fuse = fuse_by_default(model)
     self.fused = bool(fuse)
     if self.fused:
-      model = transformer.fused_projections(model)
+      model = cpu_decoding_copy(model)
     graphdef, params = nnx.split(model)
     leaves, treedef = jax.tree.flatten(params)
     self.cfg = model.cfg
@@ -126,6 +127,12 @@ class PreparedModel:
 def prepare(model, fuse: bool | None = None) -> PreparedModel:
   """`PreparedModel(model, fuse)`, or `model` itself if it is already prepared."""
   return model if isinstance(model, PreparedModel) else PreparedModel(model, fuse)
+
+
+def cpu_decoding_copy(model):
+  """The copy of `model` decoding runs on CPU: `transformer.fused_projections`, with
+  `transformer.float32_norm_scales` (fewer arrays carried through the decoding loop)."""
+  return transformer.float32_norm_scales(transformer.fused_projections(model))
 
 
 def fuse_by_default(model) -> bool:

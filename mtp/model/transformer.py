@@ -102,6 +102,14 @@ class TransformerConfig:
       raise ValueError(f'model.head_dim must be even for rotary embeddings, got {self.head_dim}.')
 
 
+@functools.lru_cache(maxsize=None)
+def _inverse_frequencies(theta: float, half: int) -> np.ndarray:
+  """RoPE's [half] float32 frequencies theta^(-i / half), as a constant: computed by XLA inside
+  a decoding loop they were hoisted out of it as one more loop-carried array per use (SmolLM2's
+  loop: 184 of its 669)."""
+  return (float(theta) ** (-np.arange(half, dtype=np.float64) / half)).astype(np.float32)
+
+
 def rotary_embedding(x: Array, positions: Array, theta: float) -> Array:
   """Rotates pairs of features by position-dependent angles (RoPE, half-split layout).
 
@@ -110,8 +118,7 @@ def rotary_embedding(x: Array, positions: Array, theta: float) -> Array:
     positions: [B, T] integer positions.
   """
   half = x.shape[-1] // 2
-  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
+  angles = positions[..., None].astype(jnp.float32) * _inverse_frequencies(theta, half)
   sin = jnp.sin(angles)[:, :, None, :]
   cos = jnp.cos(angles)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -299,15 +306,34 @@ def fused_projections(model: nnx.Module) -> nnx.Module:
 
 class RMSNorm(nnx.RMSNorm):
   """`nnx.RMSNorm`; in half precision on CPU its mean of squares is summed in a fixed order,
-  so a row normalises to the same bits in any block (`products`: decoding stays exact)."""
+  so a row normalises to the same bits in any block (`products`: decoding stays exact), and it
+  scales in float32 by the scale as stored (`float32_norm_scales`)."""
 
   def __call__(self, x: Array, mask: Array | None = None) -> Array:
     if mask is not None or not products.on_fast_path(self.dtype or x.dtype):
       return super().__call__(x, mask)
-    x, scale = self.promote_dtype((x, self.scale[...]), dtype=self.dtype)
+    (x,) = self.promote_dtype((x,), dtype=self.dtype)
+    scale = self.scale[...].astype(jnp.float32)
     wide = x.astype(jnp.float32)
     mean_square = products.ordered_sum(wide * wide, -1, keepdims=True) / x.shape[-1]
     return (x * (jax.lax.rsqrt(mean_square + self.epsilon) * scale)).astype(self.dtype)
+
+
+def float32_norm_scales(model: nnx.Module) -> nnx.Module:
+  """A copy of `model` for decoding whose half-precision norms on the fast path (CPU) keep
+  their scales in float32, the same values (that path scales in float32).
+
+  Converted inside a decoding loop, XLA hoists each norm use's conversion out of the loop as
+  one more loop-carried array: 191 of the 669 in SmolLM2's `auto` loop. Without them and RoPE's
+  184 (`_inverse_frequencies`) that loop compiled 11% faster on 2 CPU cores (20.8 s against
+  23.5 s), its steps as fast. The copy shares every other array.
+  """
+  wide = nnx.clone(model)
+  for _, module in list(nnx.iter_modules(wide)):
+    if (isinstance(module, RMSNorm) and products.on_fast_path(module.dtype or module.scale.dtype)
+        and module.scale.dtype != jnp.float32):
+      module.scale.value = module.scale[...].astype(jnp.float32)
+  return wide
 
 
 def rms_norm(cfg: TransformerConfig, *, rngs: nnx.Rngs, features: int | None = None):
